@@ -1,0 +1,41 @@
+// Exact dense attention with the semantics of torch.nn.functional.scaled_dot_product_attention.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "attnkit/tensor.h"
+
+namespace attnkit {
+
+enum class Causal : uint8_t {
+  none,
+  top_left,      // query i sees keys j <= i (torch's is_causal=True)
+  bottom_right,  // query i sees keys j <= i + s_kv - s_q (FlashAttention's KV-prefix convention)
+};
+
+enum class Layout : uint8_t {
+  BHSD,  // q [B, Hq, Sq, D], k [B, Hkv, Skv, D], v [B, Hkv, Skv, Dv], out [B, Hq, Sq, Dv]
+  BSHD,  // q [B, Sq, Hq, D], k [B, Skv, Hkv, D], v [B, Skv, Hkv, Dv], out [B, Sq, Hq, Dv]
+};
+
+struct AttentionArgs {
+  TensorView q, k, v;              // float32, float16 or bfloat16, all the same; any strides
+  TensorView out;                  // caller-owned, q's dtype, shape per layout; any strides
+  std::optional<TensorView> lse;   // caller-owned float32 [B, Hq, Sq] (natural log), optional
+  // bool (true = attend) or additive float; broadcastable to [B, Hq, Sq, Skv] (BHSD order
+  // for both layouts) through shape-1 dims, missing leading dims or zero strides.
+  std::optional<TensorView> attn_mask;
+  Causal causal = Causal::none;
+  std::optional<double> scale;     // default 1/sqrt(D)
+  double dropout_p = 0.0;          // in [0, 1)
+  std::optional<uint64_t> seed;    // dropout seed; none draws a fresh one
+  bool enable_gqa = false;         // allow Hq != Hkv (Hq a multiple of Hkv)
+  Layout layout = Layout::BHSD;
+};
+
+// Computes out (and lse) for args; throws attnkit::Error on invalid arguments. Never
+// modifies an input; writes every element of out and lse.
+void attention(const AttentionArgs& args);
+
+}  // namespace attnkit

@@ -1,0 +1,8 @@
+// Umbrella header for attnkit's C++ API.
+#pragma once
+
+#include "attnkit/attention.h"
+#include "attnkit/dtype.h"
+#include "attnkit/error.h"
+#include "attnkit/runtime.h"
+#include "attnkit/tensor.h"

@@ -1,0 +1,23 @@
+// Process-wide runtime settings: threads, the CPU instruction set in use, build facts.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace attnkit {
+
+// Threads used by every op. Default: ATTNKIT_NUM_THREADS, else all cores.
+void set_num_threads(int n);
+int get_num_threads();
+
+// Kernel variants by instruction set. The best one this CPU supports is chosen at load;
+// ATTNKIT_ISA=avx512|avx2|generic overrides it, and so does set_isa.
+std::string active_isa();
+std::vector<std::string> supported_isas();  // built and runnable here, best first
+void set_isa(const std::string& name);       // throws Error if not supported here
+
+std::string version();
+std::string build_info();  // compiler, ISAs compiled in, CPU features seen
+std::string cpu_features();
+
+}  // namespace attnkit

@@ -1,0 +1,41 @@
+"""attnkit: exact and quantized attention kernels for inference, CPU first.
+
+Public API: :func:`attention` (PyTorch SDPA semantics), thread and ISA controls, and
+``python -m attnkit info``. Arrays are numpy arrays (bf16/fp8 through ml_dtypes) or CPU
+torch tensors, taken without copies; outputs come back in the input's kind.
+"""
+
+from . import _C
+from .ops import attention
+
+__version__ = _C.version()
+
+
+def set_num_threads(n: int) -> None:
+    """Sets the number of threads every attnkit op uses (default: ATTNKIT_NUM_THREADS, else all cores)."""
+    if not isinstance(n, int) or isinstance(n, bool):
+        raise ValueError(f"num_threads must be an int, got {type(n).__name__}")
+    _C.set_num_threads(n)
+
+
+def get_num_threads() -> int:
+    """The number of threads attnkit ops use."""
+    return _C.get_num_threads()
+
+
+def get_isa() -> str:
+    """The CPU kernel variant in use: "avx512", "avx2" or "generic"."""
+    return _C.active_isa()
+
+
+def supported_isas() -> list:
+    """Kernel variants compiled in and runnable on this CPU, best first."""
+    return _C.supported_isas()
+
+
+def set_isa(name: str) -> None:
+    """Selects a kernel variant (one of supported_isas()); ATTNKIT_ISA sets it at load."""
+    _C.set_isa(name)
+
+
+__all__ = ["attention", "set_num_threads", "get_num_threads", "get_isa", "supported_isas", "set_isa"]

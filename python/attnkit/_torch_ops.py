@@ -1,0 +1,73 @@
+"""attnkit's ops registered with torch.library (define + impl + register_fake), so that
+torch.compile(fullgraph=True) traces them and torch.library.opcheck passes.
+
+attnkit::attention is functional; attnkit::attention_out writes caller buffers (mutated
+arguments). Seeds travel as int64 (two's complement of the uint64 seed); None means a fresh
+seed drawn at run time, never at trace time.
+"""
+
+import torch
+
+from .ops import attention_shapes, run_attention
+
+_LIB = torch.library.Library("attnkit", "DEF")
+_ARGS = ("Tensor q, Tensor k, Tensor v, Tensor? attn_mask, int causal, float? scale, "
+         "float dropout_p, int? seed, bool enable_gqa, str layout")
+_LIB.define(f"attention({_ARGS}) -> (Tensor, Tensor)")
+_LIB.define(f"attention_out({_ARGS}, Tensor(a!) out, Tensor(b!)? lse) -> ()")
+
+
+def _seed_to_op(seed):
+    return None if seed is None else (seed - 2**64 if seed >= 2**63 else seed)
+
+
+def _seed_from_op(seed):
+    return None if seed is None else seed % 2**64
+
+
+def _attention_impl(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout):
+    out_shape, lse_shape = attention_shapes(q, k, v, layout)
+    out = torch.empty(out_shape, dtype=q.dtype)
+    lse = torch.empty(lse_shape, dtype=torch.float32)
+    run_attention(q, k, v, attn_mask, causal, scale, dropout_p, _seed_from_op(seed), enable_gqa,
+                  layout, out, lse)
+    return out, lse
+
+
+def _attention_fake(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout):
+    out_shape, lse_shape = attention_shapes(q, k, v, layout)
+    return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+def _attention_out_impl(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout,
+                        out, lse):
+    run_attention(q, k, v, attn_mask, causal, scale, dropout_p, _seed_from_op(seed), enable_gqa,
+                  layout, out, lse)
+
+
+def _attention_out_fake(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout,
+                        out, lse):
+    return None
+
+
+_LIB.impl("attention", _attention_impl, "CPU")
+_LIB.impl("attention_out", _attention_out_impl, "CPU")
+torch.library.register_fake("attnkit::attention", _attention_fake, lib=_LIB)
+torch.library.register_fake("attnkit::attention_out", _attention_out_fake, lib=_LIB)
+
+
+def attention(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout, return_lse,
+              out):
+    """The torch path of attnkit.attention (arguments already checked for kind)."""
+    scale = None if scale is None else float(scale)
+    seed = _seed_to_op(seed)
+    if out is None:
+        out, lse = torch.ops.attnkit.attention(q, k, v, attn_mask, causal, scale,
+                                               float(dropout_p), seed, enable_gqa, layout)
+        return (out, lse) if return_lse else out
+    lse = None
+    if return_lse:
+        lse = torch.empty(attention_shapes(q, k, v, layout)[1], dtype=torch.float32)
+    torch.ops.attnkit.attention_out(q, k, v, attn_mask, causal, scale, float(dropout_p), seed,
+                                    enable_gqa, layout, out, lse)
+    return (out, lse) if return_lse else out

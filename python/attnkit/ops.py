@@ -1,0 +1,100 @@
+"""attnkit's public ops. Each docstring is the op's specification; the float64 reference
+in tests/python/reference.py restates it as code."""
+
+import math
+
+from . import _C
+from ._arrays import empty_like_kind, is_torch, kind_of, typed, typed_or_none
+
+_CAUSAL = {False: 0, None: 0, True: 1, "top_left": 1, "bottom_right": 2}
+_LAYOUTS = ("BHSD", "BSHD")
+
+
+def causal_code(causal) -> int:
+    try:
+        return _CAUSAL[causal]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f'causal must be False, True, "top_left" or "bottom_right", got {causal!r}') from None
+
+
+def attention_shapes(q, k, v, layout):
+    """(out shape, lse shape) for the given layout; the C++ op checks everything else."""
+    for x, name in ((q, "q"), (k, "k"), (v, "v")):
+        if len(x.shape) != 4:
+            raise ValueError(f"{name} must be a 4-d tensor (layout {layout}), got "
+                             f"{len(x.shape)}-d {list(x.shape)}")
+    if layout == "BHSD":
+        B, Hq, Sq, _ = q.shape
+        return (B, Hq, Sq, v.shape[3]), (B, Hq, Sq)
+    B, Sq, Hq, _ = q.shape
+    return (B, Sq, Hq, v.shape[3]), (B, Hq, Sq)
+
+
+def check_scalars(scale, dropout_p, seed, layout):
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise ValueError(f"scale must be a float or None, got {type(scale).__name__}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise ValueError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                             or not 0 <= seed < 2**64):
+        raise ValueError(f"seed must be None or an int in [0, 2**64), got {seed!r}")
+    if layout not in _LAYOUTS:
+        raise ValueError(f'layout must be "BHSD" or "BSHD", got {layout!r}')
+
+
+def run_attention(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout, out, lse):
+    """Calls the kernel on validated kinds; out (and lse, if not None) are caller-owned."""
+    _C.attention(typed(q, "q"), typed(k, "k"), typed(v, "v"), typed(out, "out"),
+                 typed_or_none(lse, "lse"), typed_or_none(attn_mask, "attn_mask"), causal,
+                 None if scale is None else float(scale), float(dropout_p), seed,
+                 bool(enable_gqa), layout)
+
+
+def attention(q, k, v, *, attn_mask=None, causal=False, scale=None, dropout_p=0.0, seed=None,
+              enable_gqa=False, layout="BHSD", return_lse=False, out=None):
+    """Exact scaled dot-product attention with torch.nn.functional.scaled_dot_product_attention
+    semantics, computed on the CPU without materialising the score matrix.
+
+    Shapes (layout "BHSD"): q [B, Hq, Sq, D], k [B, Hkv, Skv, D], v [B, Hkv, Skv, Dv] ->
+    out [B, Hq, Sq, Dv]. Layout "BSHD" swaps the head and sequence dims of all four.
+    D and Dv are in [1, 512] and may differ. Any strides are accepted.
+
+    - scores = (q · kᵀ) · scale, scale defaulting to 1/sqrt(D).
+    - causal: False; True or "top_left" (query i sees keys j <= i); "bottom_right" (query i
+      sees keys j <= i + Skv - Sq, FlashAttention's convention for a KV prefix).
+    - attn_mask: bool (True = attend) or an additive float tensor, broadcastable to
+      [B, Hq, Sq, Skv] in BHSD order whatever the layout. Mask and causal may combine.
+    - GQA/MQA: with enable_gqa=True, Hq must be a multiple of Hkv and query head h reads kv
+      head h // (Hq // Hkv). Hq != Hkv without enable_gqa is an error.
+    - A query row with no attendable key gives out = 0 and lse = -inf.
+    - dropout_p in [0, 1): after the softmax, each probability is kept with probability
+      1 - dropout_p and scaled by 1/(1 - dropout_p). The keep decision is a counter-based
+      (Philox4x32-10) function of (seed, b, h, i, j), so one seed gives bit-identical output
+      for any thread count and ISA; seed=None draws a fresh seed for each call.
+    - dtypes: q, k, v all float32, float16 or bfloat16; out has that dtype; softmax and
+      accumulation run in float32. lse is float32 [B, Hq, Sq], natural log, over the visible
+      keys (dropout does not change it).
+    - Inputs are numpy arrays (bf16 through ml_dtypes) or CPU torch tensors, never copied
+      or modified. out=, if given, must have the exact shape and dtype and not alias an input.
+      torch tensors go through the registered op torch.ops.attnkit.attention, which
+      torch.compile(fullgraph=True) can trace.
+
+    Returns out, or (out, lse) with return_lse=True.
+    """
+    code = causal_code(causal)
+    check_scalars(scale, dropout_p, seed, layout)
+    kind = kind_of(q, "q")
+    for x, name in ((k, "k"), (v, "v"), (attn_mask, "attn_mask"), (out, "out")):
+        if x is not None and kind_of(x, name) != kind:
+            raise ValueError(f"{name} must be a {kind} array like q, got {type(x).__name__}")
+    if kind == "torch":
+        from . import _torch_ops
+        return _torch_ops.attention(q, k, v, attn_mask, code, scale, dropout_p, seed, enable_gqa,
+                                    layout, return_lse, out)
+    out_shape, lse_shape = attention_shapes(q, k, v, layout)
+    if out is None:
+        out = empty_like_kind("numpy", out_shape, typed(q, "q")[1])
+    lse = empty_like_kind("numpy", lse_shape, "float32") if return_lse else None
+    run_attention(q, k, v, attn_mask, code, scale, dropout_p, seed, enable_gqa, layout, out, lse)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,114 @@
+// attnkit._C: the binding layer. It only turns Python arguments into attnkit views and
+// calls the C++ API with the GIL released; every check lives in the op layer (src/ops).
+// Arrays arrive through DLPack/the buffer protocol (numpy, torch) as (array, dtype name)
+// pairs: the Python layer names the element type, since numpy cannot express bf16/fp8.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "attnkit/attnkit.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+using Array = nb::ndarray<nb::device::cpu>;
+using TypedArray = std::tuple<Array, std::string>;
+
+attnkit::TensorView to_view(const TypedArray& typed, const char* name) {
+  const auto& [array, dtype_name] = typed;
+  attnkit::TensorView view;
+  view.dtype = attnkit::dtype_from_name(dtype_name);
+  if (array.itemsize() != attnkit::dtype_size(view.dtype)) {
+    throw attnkit::Error(std::string(name) + ": element size " + std::to_string(array.itemsize()) +
+                         " does not match dtype " + dtype_name);
+  }
+  if (array.ndim() > static_cast<size_t>(attnkit::kMaxRank)) {
+    throw attnkit::Error(std::string(name) + " must have at most " +
+                         std::to_string(attnkit::kMaxRank) + " dimensions, got " +
+                         std::to_string(array.ndim()));
+  }
+  view.data = array.data();
+  view.rank = static_cast<int>(array.ndim());
+  for (int d = 0; d < view.rank; ++d) {
+    view.shape[d] = static_cast<int64_t>(array.shape(d));
+    view.strides[d] = static_cast<int64_t>(array.stride(d));
+  }
+  return view;
+}
+
+std::optional<attnkit::TensorView> to_view(const std::optional<TypedArray>& typed,
+                                           const char* name) {
+  if (!typed) return std::nullopt;
+  return to_view(*typed, name);
+}
+
+void attention(const TypedArray& q, const TypedArray& k, const TypedArray& v,
+               const TypedArray& out, const std::optional<TypedArray>& lse,
+               const std::optional<TypedArray>& attn_mask, int causal,
+               std::optional<double> scale, double dropout_p, std::optional<uint64_t> seed,
+               bool enable_gqa, const std::string& layout) {
+  attnkit::AttentionArgs args;
+  args.q = to_view(q, "q");
+  args.k = to_view(k, "k");
+  args.v = to_view(v, "v");
+  args.out = to_view(out, "out");
+  args.lse = to_view(lse, "lse");
+  args.attn_mask = to_view(attn_mask, "attn_mask");
+  if (causal < 0 || causal > 2) throw attnkit::Error("causal: expected 0, 1 or 2");
+  args.causal = static_cast<attnkit::Causal>(causal);
+  args.scale = scale;
+  args.dropout_p = dropout_p;
+  args.seed = seed;
+  args.enable_gqa = enable_gqa;
+  if (layout == "BHSD") {
+    args.layout = attnkit::Layout::BHSD;
+  } else if (layout == "BSHD") {
+    args.layout = attnkit::Layout::BSHD;
+  } else {
+    throw attnkit::Error("layout must be \"BHSD\" or \"BSHD\", got \"" + layout + "\"");
+  }
+  nb::gil_scoped_release release;
+  attnkit::attention(args);
+}
+
+void cast(const TypedArray& src, const TypedArray& dst) {
+  attnkit::TensorView s = to_view(src, "src"), d = to_view(dst, "dst");
+  if (!s.is_contiguous() || !d.is_contiguous() || s.numel() != d.numel()) {
+    throw attnkit::Error("cast: src and dst must be contiguous with the same number of elements");
+  }
+  attnkit::cast(s.data, s.dtype, d.data, d.dtype, static_cast<size_t>(s.numel()));
+}
+
+}  // namespace
+
+NB_MODULE(_C, m) {
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const attnkit::Error& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+
+  m.def("attention", &attention, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(),
+        "attn_mask"_a.none(), "causal"_a, "scale"_a.none(), "dropout_p"_a, "seed"_a.none(),
+        "enable_gqa"_a, "layout"_a);
+  m.def("cast", &cast, "src"_a, "dst"_a);
+  m.def("set_num_threads", &attnkit::set_num_threads, "n"_a);
+  m.def("get_num_threads", &attnkit::get_num_threads);
+  m.def("active_isa", &attnkit::active_isa);
+  m.def("supported_isas", &attnkit::supported_isas);
+  m.def("set_isa", &attnkit::set_isa, "name"_a);
+  m.def("version", &attnkit::version);
+  m.def("build_info", &attnkit::build_info);
+  m.def("cpu_features", &attnkit::cpu_features);
+}

@@ -1,0 +1,123 @@
+// CPU feature detection and the ISA dispatch table. The best variant this CPU runs is
+// chosen once; ATTNKIT_ISA or set_isa() may pick a lower one (tests run every variant).
+#include "core/dispatch.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "attnkit/error.h"
+#include "attnkit/runtime.h"
+
+namespace attnkit {
+namespace {
+
+struct Variant {
+  const cpu::KernelTable* table;
+  bool (*runnable)();
+};
+
+bool cpu_has(const char* feature);
+
+// Best first.
+const std::vector<Variant>& variants() {
+  static const std::vector<Variant> all = {
+#if ATTNKIT_HAVE_AVX512
+      {&cpu::avx512::kernel_table,
+       [] {
+         return cpu_has("avx512f") && cpu_has("avx512bw") && cpu_has("avx512vl") &&
+                cpu_has("avx512dq") && cpu_has("avx2") && cpu_has("fma") && cpu_has("f16c") &&
+                cpu_has("bmi2");
+       }},
+#endif
+#if ATTNKIT_HAVE_AVX2
+      {&cpu::avx2::kernel_table,
+       [] { return cpu_has("avx2") && cpu_has("fma") && cpu_has("f16c") && cpu_has("bmi2"); }},
+#endif
+      {&cpu::generic::kernel_table, [] { return true; }},
+  };
+  return all;
+}
+
+bool cpu_has(const char* feature) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  std::string f = feature;
+  // __builtin_cpu_supports needs literal names.
+  if (f == "avx2") return __builtin_cpu_supports("avx2");
+  if (f == "fma") return __builtin_cpu_supports("fma");
+  if (f == "f16c") return __builtin_cpu_supports("f16c");
+  if (f == "bmi2") return __builtin_cpu_supports("bmi2");
+  if (f == "avx512f") return __builtin_cpu_supports("avx512f");
+  if (f == "avx512bw") return __builtin_cpu_supports("avx512bw");
+  if (f == "avx512vl") return __builtin_cpu_supports("avx512vl");
+  if (f == "avx512dq") return __builtin_cpu_supports("avx512dq");
+  if (f == "avx512bf16") return __builtin_cpu_supports("avx512bf16");
+  if (f == "avx512fp16") return __builtin_cpu_supports("avx512fp16");
+  if (f == "avx512vnni") return __builtin_cpu_supports("avx512vnni");
+  if (f == "amx-tile") return __builtin_cpu_supports("amx-tile");
+#endif
+  (void)feature;
+  return false;
+}
+
+const cpu::KernelTable* find(const std::string& name) {
+  for (const Variant& v : variants()) {
+    if (name == v.table->isa && v.runnable()) return v.table;
+  }
+  return nullptr;
+}
+
+const cpu::KernelTable* initial_table() {
+  if (const char* env = std::getenv("ATTNKIT_ISA")) {
+    if (const cpu::KernelTable* t = find(env)) return t;
+    // An unusable override must not silently change numerics: fail loudly at first use.
+    throw Error(std::string("ATTNKIT_ISA=") + env + " is not supported on this machine");
+  }
+  for (const Variant& v : variants()) {
+    if (v.runnable()) return v.table;
+  }
+  return &cpu::generic::kernel_table;
+}
+
+std::atomic<const cpu::KernelTable*>& active() {
+  static std::atomic<const cpu::KernelTable*> table{initial_table()};
+  return table;
+}
+
+}  // namespace
+
+const cpu::KernelTable& detail::kernels() { return *active().load(); }
+
+std::string active_isa() { return detail::kernels().isa; }
+
+std::vector<std::string> supported_isas() {
+  std::vector<std::string> names;
+  for (const Variant& v : variants()) {
+    if (v.runnable()) names.push_back(v.table->isa);
+  }
+  return names;
+}
+
+void set_isa(const std::string& name) {
+  const cpu::KernelTable* t = find(name);
+  if (!t) {
+    std::string have;
+    for (const std::string& s : supported_isas()) have += (have.empty() ? "" : ", ") + s;
+    throw Error("isa must be one of the variants supported here (" + have + "), got \"" + name +
+                "\"");
+  }
+  active().store(t);
+}
+
+std::string cpu_features() {
+  std::string out;
+  for (const char* f : {"avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl",
+                        "avx512dq", "avx512bf16", "avx512fp16", "avx512vnni", "amx-tile"}) {
+    if (cpu_has(f)) out += (out.empty() ? "" : " ") + std::string(f);
+  }
+  return out;
+}
+
+}  // namespace attnkit

@@ -1,0 +1,238 @@
+// Dense attention forward on the CPU: the flash-style tile loop. One task is a block of
+// query rows sharing one kv head (the GQA group's heads × a run of query positions); each
+// K/V tile is converted and packed once per task and used by all of its rows. Scores are
+// never materialised beyond one [rows × kKvTile] tile. Compiled once per ISA.
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include "core/philox.h"
+#include "core/thread_pool.h"
+#include "cpu/kernel_table.h"
+#include "cpu/kernels/convert.h"
+#include "cpu/kernels/gemm.h"
+#include "cpu/kernels/softmax.h"
+#include "ops/attention_params.h"
+
+namespace attnkit::cpu::ATTNKIT_ISA {
+namespace {
+
+constexpr int64_t kKvTile = 64;    // keys per tile (a multiple of every ISA's kLanes)
+constexpr int64_t kRowTarget = 64; // query rows per task: heads of a group × positions
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// How the work splits into tasks, and the per-thread workspace each task uses.
+struct Plan {
+  int64_t heads_per_task, positions_per_task, head_chunks, q_blocks, tasks;
+  int64_t rows, dv_pad, workspace_floats;
+
+  explicit Plan(const AttentionParams& p) {
+    heads_per_task = p.group < kRowTarget ? p.group : kRowTarget;
+    positions_per_task = kRowTarget / heads_per_task;
+    if (positions_per_task > p.Sq) positions_per_task = p.Sq;
+    head_chunks = (p.group + heads_per_task - 1) / heads_per_task;
+    q_blocks = (p.Sq + positions_per_task - 1) / positions_per_task;
+    tasks = p.B * p.Hkv * head_chunks * q_blocks;
+    rows = heads_per_task * positions_per_task;
+    dv_pad = round_up(p.Dv, kLanes);
+    workspace_floats = round_up(rows * p.D, 16)        // q rows, scaled
+                       + round_up(rows * dv_pad, 16)   // output accumulators
+                       + rows * kKvTile                // scores / probabilities
+                       + round_up(p.D * kKvTile, 16)   // K tile, transposed
+                       + kKvTile * dv_pad              // V tile
+                       + round_up(2 * rows, 16)        // running max and sum
+                       + round_up(p.D > p.Dv ? p.D : p.Dv, 16);  // one converted row
+  }
+};
+
+struct Workspace {
+  float *q, *o, *s, *kt, *v, *m, *l, *row;
+  Workspace(float* base, const Plan& plan, const AttentionParams& p) {
+    q = base;
+    o = q + round_up(plan.rows * p.D, 16);
+    s = o + round_up(plan.rows * plan.dv_pad, 16);
+    kt = s + plan.rows * kKvTile;
+    v = kt + round_up(p.D * kKvTile, 16);
+    m = v + kKvTile * plan.dv_pad;
+    l = m + plan.rows;
+    row = m + round_up(2 * plan.rows, 16);
+  }
+};
+
+template <DType T>
+class AttentionTask {
+  using E = typename Elem<T>::type;
+
+ public:
+  AttentionTask(const AttentionParams& p, const Plan& plan) : p_(p), plan_(plan) {}
+
+  void run(int64_t task, float* workspace) const {
+    // Heavy first: the last query blocks (most keys under a causal mask) are handed out first.
+    const int64_t per_block = p_.B * p_.Hkv * plan_.head_chunks;
+    const int64_t qb = plan_.q_blocks - 1 - task / per_block;
+    int64_t rest = task % per_block;
+    const int64_t chunk = rest % plan_.head_chunks;
+    rest /= plan_.head_chunks;
+    const int64_t kvh = rest % p_.Hkv, b = rest / p_.Hkv;
+
+    const int64_t i0 = qb * plan_.positions_per_task;
+    const int64_t nq = p_.Sq - i0 < plan_.positions_per_task ? p_.Sq - i0 : plan_.positions_per_task;
+    const int64_t h0 = kvh * p_.group + chunk * plan_.heads_per_task;
+    const int64_t nh_left = (kvh + 1) * p_.group - h0;
+    const int64_t nh = nh_left < plan_.heads_per_task ? nh_left : plan_.heads_per_task;
+    const int64_t rows = nh * nq;  // row r is head h0 + r / nq, position i0 + r % nq
+    Workspace w(workspace, plan_, p_);
+
+    pack_q(b, h0, i0, nh, nq, w.q);
+    std::memset(w.o, 0, sizeof(float) * rows * plan_.dv_pad);
+    for (int64_t r = 0; r < rows; ++r) w.m[r] = -INFINITY, w.l[r] = 0.0f;
+
+    int64_t kv_end = p_.Skv;
+    if (p_.causal) {
+      const int64_t last_visible = i0 + nq - 1 + p_.causal_offset;
+      if (last_visible + 1 < kv_end) kv_end = last_visible + 1 < 0 ? 0 : last_visible + 1;
+    }
+    for (int64_t j0 = 0; j0 < kv_end; j0 += kKvTile) {
+      const int64_t bc = kv_end - j0 < kKvTile ? kv_end - j0 : kKvTile;
+      pack_kv(b, kvh, j0, bc, w);
+      gemm(rows, kKvTile, p_.D, w.q, p_.D, w.kt, kKvTile, w.s, kKvTile, false);
+      apply_masks(b, h0, i0, nq, rows, j0, bc, w.s);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* srow = w.s + r * kKvTile;
+        const float alpha = online_softmax_row(srow, kKvTile, w.m[r], w.l[r]);
+        if (alpha != 1.0f) scale_row(w.o + r * plan_.dv_pad, plan_.dv_pad, alpha);
+        if (p_.dropout_p > 0.0f) apply_dropout(b, h0 + r / nq, i0 + r % nq, j0, bc, srow);
+      }
+      gemm(rows, plan_.dv_pad, kKvTile, w.s, kKvTile, w.v, plan_.dv_pad, w.o, plan_.dv_pad, true);
+    }
+    write_out(b, h0, i0, nq, rows, w);
+  }
+
+ private:
+  void pack_q(int64_t b, int64_t h0, int64_t i0, int64_t nh, int64_t nq, float* q) const {
+    const E* base = static_cast<const E*>(p_.q);
+    const float scale = p_.scale * kLog2e;
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      for (int64_t ii = 0; ii < nq; ++ii) {
+        const E* src = base + b * p_.q_stride[0] + (h0 + hh) * p_.q_stride[1] + (i0 + ii) * p_.q_stride[2];
+        load_row<T>(src, p_.q_stride[3], p_.D, scale, q + (hh * nq + ii) * p_.D);
+      }
+    }
+  }
+
+  // K tile transposed to [D][kKvTile] and V tile to [kKvTile][dv_pad]; padding is zero so
+  // that padded lanes contribute exact zeros.
+  void pack_kv(int64_t b, int64_t kvh, int64_t j0, int64_t bc, const Workspace& w) const {
+    const E* kbase = static_cast<const E*>(p_.k) + b * p_.k_stride[0] + kvh * p_.k_stride[1];
+    const E* vbase = static_cast<const E*>(p_.v) + b * p_.v_stride[0] + kvh * p_.v_stride[1];
+    if (bc < kKvTile) {
+      std::memset(w.kt, 0, sizeof(float) * p_.D * kKvTile);
+      std::memset(w.v + bc * plan_.dv_pad, 0, sizeof(float) * (kKvTile - bc) * plan_.dv_pad);
+    }
+    for (int64_t jj = 0; jj < bc; ++jj) {
+      load_row<T>(kbase + (j0 + jj) * p_.k_stride[2], p_.k_stride[3], p_.D, 1.0f, w.row);
+      for (int64_t d = 0; d < p_.D; ++d) w.kt[d * kKvTile + jj] = w.row[d];
+      float* vrow = w.v + jj * plan_.dv_pad;
+      load_row<T>(vbase + (j0 + jj) * p_.v_stride[2], p_.v_stride[3], p_.Dv, 1.0f, vrow);
+      for (int64_t d = p_.Dv; d < plan_.dv_pad; ++d) vrow[d] = 0.0f;
+    }
+  }
+
+  // Padding keys, the causal limit and the user mask, all as -inf / additive bias.
+  void apply_masks(int64_t b, int64_t h0, int64_t i0, int64_t nq, int64_t rows, int64_t j0,
+                   int64_t bc, float* s) const {
+    const bool causal_cut = p_.causal && j0 + bc - 1 > i0 + p_.causal_offset;
+    if (!causal_cut && !p_.mask && bc == kKvTile) return;
+    for (int64_t r = 0; r < rows; ++r) {
+      float* srow = s + r * kKvTile;
+      const int64_t h = h0 + r / nq, i = i0 + r % nq;
+      int64_t visible = bc;  // keys j0 + [0, visible) pass the causal limit
+      if (causal_cut) {
+        const int64_t limit = i + p_.causal_offset - j0 + 1;
+        visible = limit < 0 ? 0 : (limit < bc ? limit : bc);
+      }
+      for (int64_t jj = visible; jj < kKvTile; ++jj) srow[jj] = -INFINITY;
+      if (p_.mask) {
+        const int64_t row_off = b * p_.mask_stride[0] + h * p_.mask_stride[1] + i * p_.mask_stride[2];
+        for (int64_t jj = 0; jj < visible; ++jj) {
+          srow[jj] += load_mask(p_.mask_dtype, p_.mask, row_off + (j0 + jj) * p_.mask_stride[3], kLog2e);
+        }
+      }
+    }
+  }
+
+  // Zeroes dropped probabilities and scales kept ones by 1 / (1 - p); the row sum l has
+  // already been taken, so normalisation uses the undropped softmax as SDPA does.
+  void apply_dropout(int64_t b, int64_t h, int64_t i, int64_t j0, int64_t bc, float* prow) const {
+    const uint32_t threshold = detail::dropout_threshold(p_.dropout_p);
+    const float keep_scale = 1.0f / (1.0f - p_.dropout_p);
+    for (int64_t jj = 0; jj < bc; jj += 4) {
+      const auto bits = detail::dropout_bits(p_.seed, b, h, i, j0 + jj);
+      for (int64_t k = 0; k < 4 && jj + k < bc; ++k) {
+        prow[jj + k] = bits[k] >= threshold ? prow[jj + k] * keep_scale : 0.0f;
+      }
+    }
+  }
+
+  void write_out(int64_t b, int64_t h0, int64_t i0, int64_t nq, int64_t rows, const Workspace& w) const {
+    E* out = static_cast<E*>(p_.out);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t h = h0 + r / nq, i = i0 + r % nq;
+      const float l = w.l[r];
+      const float inv = l > 0.0f ? 1.0f / l : (l == 0.0f ? 0.0f : l);  // l is NaN or >= 1
+      const float* o = w.o + r * plan_.dv_pad;
+      E* dst = out + b * p_.out_stride[0] + h * p_.out_stride[1] + i * p_.out_stride[2];
+      for (int64_t d = 0; d < p_.Dv; ++d) dst[d * p_.out_stride[3]] = Elem<T>::store(o[d] * inv);
+      if (p_.lse) {
+        p_.lse[b * p_.lse_stride[0] + h * p_.lse_stride[1] + i * p_.lse_stride[2]] =
+            l == 0.0f ? -INFINITY : (w.m[r] + std::log2(l)) * kLn2;
+      }
+    }
+  }
+
+  const AttentionParams& p_;
+  const Plan& plan_;
+};
+
+struct AlignedBuffer {
+  float* data;
+  explicit AlignedBuffer(int64_t floats)
+      : data(static_cast<float*>(std::aligned_alloc(64, round_up(floats * sizeof(float), 64)))) {}
+  ~AlignedBuffer() { std::free(data); }
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+};
+
+template <DType T>
+void run_attention(const AttentionParams& p) {
+  const Plan plan(p);
+  const int threads = detail::num_threads();
+  AlignedBuffer workspace(plan.workspace_floats * threads);
+  if (!workspace.data) throw std::bad_alloc();
+  const AttentionTask<T> task(p, plan);
+  auto body = [&](int64_t t, int thread) {
+    task.run(t, workspace.data + plan.workspace_floats * thread);
+  };
+  detail::parallel_for(plan.tasks, threads, body);
+}
+
+void attention_fwd(const AttentionParams& p) {
+  switch (p.dtype) {
+    case DType::float16: return run_attention<DType::float16>(p);
+    case DType::bfloat16: return run_attention<DType::bfloat16>(p);
+    default: return run_attention<DType::float32>(p);
+  }
+}
+
+}  // namespace
+
+#define ATTNKIT_STR2(x) #x
+#define ATTNKIT_STR(x) ATTNKIT_STR2(x)
+const KernelTable kernel_table = {ATTNKIT_STR(ATTNKIT_ISA), &attention_fwd};
+
+}  // namespace attnkit::cpu::ATTNKIT_ISA

@@ -1,0 +1,33 @@
+// The plain parameter block the dense-attention kernels see. Built only by
+// src/ops/attention.cpp after validation; kernels trust it and never re-validate.
+// Everything is in BHSD order, whatever the caller's layout: strides (in elements) encode it.
+#pragma once
+
+#include <cstdint>
+
+#include "attnkit/attention.h"
+#include "attnkit/tensor.h"
+
+namespace attnkit {
+
+struct AttentionParams {
+  DType dtype;                  // of q, k, v and out: float32, float16 or bfloat16
+  const void* q;                // [B, Hq, Sq, D]
+  const void* k;                // [B, Hkv, Skv, D]
+  const void* v;                // [B, Hkv, Skv, Dv]
+  void* out;                    // [B, Hq, Sq, Dv]
+  float* lse;                   // [B, Hq, Sq] or nullptr
+  const void* mask;             // [B, Hq, Sq, Skv] (zero strides where broadcast) or nullptr
+  DType mask_dtype;             // boolean (true = attend) or a float type (added to scores)
+  int64_t q_stride[4], k_stride[4], v_stride[4], out_stride[4], lse_stride[3], mask_stride[4];
+
+  int64_t B, Hq, Hkv, Sq, Skv, D, Dv;
+  int64_t group;                // Hq / Hkv: query head h reads kv head h / group
+  bool causal;
+  int64_t causal_offset;        // when causal: key j is visible to query i iff j <= i + offset
+  float scale;                  // softmax scale applied to q·k
+  float dropout_p;              // 0 disables dropout
+  uint64_t seed;                // dropout stream key
+};
+
+}  // namespace attnkit

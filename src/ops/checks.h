@@ -1,0 +1,37 @@
+// Argument-check helpers shared by every op contract in src/ops. Each throws attnkit::Error
+// with a message naming the argument, what was expected and what was got.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <sstream>
+#include <string>
+
+#include "attnkit/error.h"
+#include "attnkit/tensor.h"
+
+namespace attnkit::detail {
+
+template <class... Parts>
+[[noreturn]] void fail(const Parts&... parts) {
+  std::ostringstream msg;
+  (msg << ... << parts);
+  throw Error(msg.str());
+}
+
+// t must have `rank` dims; `dims` describes them, e.g. "[B, Hq, Sq, D] (layout BHSD)".
+void check_rank(const TensorView& t, const char* name, int rank, const std::string& dims);
+void check_sizes_nonnegative(const TensorView& t, const char* name);
+
+// Strides that read t as if broadcast to `target` (numpy rules: dims aligned at the right,
+// missing leading dims and size-1 dims broadcast with stride 0). Writes target.size() strides.
+void broadcast_strides(const TensorView& t, const char* name, std::initializer_list<int64_t> target,
+                       const char* target_desc, int64_t* strides_out);
+
+// An output must not write any element twice: no zero stride over a dim of size > 1.
+void check_writable_layout(const TensorView& t, const char* name);
+
+// The memory spans of a and b must not overlap (a conservative check on address ranges).
+void check_no_overlap(const TensorView& a, const char* a_name, const TensorView& b, const char* b_name);
+
+}  // namespace attnkit::detail
