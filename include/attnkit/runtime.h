@@ -16,6 +16,11 @@ std::string active_isa();
 std::vector<std::string> supported_isas();  // built and runnable here, best first
 void set_isa(const std::string& name);       // throws Error if not supported here
 
+// This machine's limits, measured with the active ISA on `threads` pool threads
+// (1 <= threads <= get_num_threads()): the fp32 FMA rate and the streaming read rate.
+double measure_fma_peak_gflops(int threads);
+double measure_read_bandwidth_gbs(int threads);
+
 std::string version();
 std::string build_info();  // compiler, ISAs compiled in, CPU features seen
 std::string cpu_features();

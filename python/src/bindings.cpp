@@ -108,6 +108,10 @@ NB_MODULE(_C, m) {
   m.def("active_isa", &attnkit::active_isa);
   m.def("supported_isas", &attnkit::supported_isas);
   m.def("set_isa", &attnkit::set_isa, "name"_a);
+  m.def("measure_fma_peak_gflops", &attnkit::measure_fma_peak_gflops, "threads"_a,
+        nb::call_guard<nb::gil_scoped_release>());
+  m.def("measure_read_bandwidth_gbs", &attnkit::measure_read_bandwidth_gbs, "threads"_a,
+        nb::call_guard<nb::gil_scoped_release>());
   m.def("version", &attnkit::version);
   m.def("build_info", &attnkit::build_info);
   m.def("cpu_features", &attnkit::cpu_features);

@@ -15,6 +15,7 @@ namespace {
 
 struct Variant {
   const cpu::KernelTable* table;
+  const cpu::ProbeTable* probes;
   bool (*runnable)();
 };
 
@@ -24,7 +25,7 @@ bool cpu_has(const char* feature);
 const std::vector<Variant>& variants() {
   static const std::vector<Variant> all = {
 #if ATTNKIT_HAVE_AVX512
-      {&cpu::avx512::kernel_table,
+      {&cpu::avx512::kernel_table, &cpu::avx512::probe_table,
        [] {
          return cpu_has("avx512f") && cpu_has("avx512bw") && cpu_has("avx512vl") &&
                 cpu_has("avx512dq") && cpu_has("avx2") && cpu_has("fma") && cpu_has("f16c") &&
@@ -32,10 +33,10 @@ const std::vector<Variant>& variants() {
        }},
 #endif
 #if ATTNKIT_HAVE_AVX2
-      {&cpu::avx2::kernel_table,
+      {&cpu::avx2::kernel_table, &cpu::avx2::probe_table,
        [] { return cpu_has("avx2") && cpu_has("fma") && cpu_has("f16c") && cpu_has("bmi2"); }},
 #endif
-      {&cpu::generic::kernel_table, [] { return true; }},
+      {&cpu::generic::kernel_table, &cpu::generic::probe_table, [] { return true; }},
   };
   return all;
 }
@@ -62,33 +63,34 @@ bool cpu_has(const char* feature) {
   return false;
 }
 
-const cpu::KernelTable* find(const std::string& name) {
+const Variant* find(const std::string& name) {
   for (const Variant& v : variants()) {
-    if (name == v.table->isa && v.runnable()) return v.table;
+    if (name == v.table->isa && v.runnable()) return &v;
   }
   return nullptr;
 }
 
-const cpu::KernelTable* initial_table() {
+const Variant* initial_variant() {
   if (const char* env = std::getenv("ATTNKIT_ISA")) {
-    if (const cpu::KernelTable* t = find(env)) return t;
+    if (const Variant* v = find(env)) return v;
     // An unusable override must not silently change numerics: fail loudly at first use.
     throw Error(std::string("ATTNKIT_ISA=") + env + " is not supported on this machine");
   }
   for (const Variant& v : variants()) {
-    if (v.runnable()) return v.table;
+    if (v.runnable()) return &v;
   }
-  return &cpu::generic::kernel_table;
+  return &variants().back();
 }
 
-std::atomic<const cpu::KernelTable*>& active() {
-  static std::atomic<const cpu::KernelTable*> table{initial_table()};
-  return table;
+std::atomic<const Variant*>& active() {
+  static std::atomic<const Variant*> variant{initial_variant()};
+  return variant;
 }
 
 }  // namespace
 
-const cpu::KernelTable& detail::kernels() { return *active().load(); }
+const cpu::KernelTable& detail::kernels() { return *active().load()->table; }
+const cpu::ProbeTable& detail::probes() { return *active().load()->probes; }
 
 std::string active_isa() { return detail::kernels().isa; }
 
@@ -101,14 +103,14 @@ std::vector<std::string> supported_isas() {
 }
 
 void set_isa(const std::string& name) {
-  const cpu::KernelTable* t = find(name);
-  if (!t) {
+  const Variant* v = find(name);
+  if (!v) {
     std::string have;
     for (const std::string& s : supported_isas()) have += (have.empty() ? "" : ", ") + s;
     throw Error("isa must be one of the variants supported here (" + have + "), got \"" + name +
                 "\"");
   }
-  active().store(t);
+  active().store(v);
 }
 
 std::string cpu_features() {

@@ -7,5 +7,6 @@ namespace attnkit::detail {
 
 // The table of the active ISA (chosen at first use; see runtime.h for the overrides).
 const cpu::KernelTable& kernels();
+const cpu::ProbeTable& probes();
 
 }  // namespace attnkit::detail

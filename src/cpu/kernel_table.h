@@ -3,6 +3,8 @@
 // src/core/dispatch.cpp picks one table at load.
 #pragma once
 
+#include <cstdint>
+
 namespace attnkit {
 struct AttentionParams;
 }
@@ -14,14 +16,21 @@ struct KernelTable {
   void (*attention_fwd)(const AttentionParams& params);
 };
 
-namespace generic {
-extern const KernelTable kernel_table;
-}
-namespace avx2 {
-extern const KernelTable kernel_table;
-}
-namespace avx512 {
-extern const KernelTable kernel_table;
-}
+// Loops the benchmark uses to measure the machine (src/cpu/machine_probe.cpp).
+struct ProbeTable {
+  float (*fma_loop)(int64_t iters);              // iters * flops_per_iter fp32 flops
+  float (*read_sum)(const float* data, int64_t n);
+  int64_t flops_per_iter;
+};
+
+#define ATTNKIT_DECLARE_ISA(isa)            \
+  namespace isa {                           \
+  extern const KernelTable kernel_table;    \
+  extern const ProbeTable probe_table;      \
+  }
+ATTNKIT_DECLARE_ISA(generic)
+ATTNKIT_DECLARE_ISA(avx2)
+ATTNKIT_DECLARE_ISA(avx512)
+#undef ATTNKIT_DECLARE_ISA
 
 }  // namespace attnkit::cpu

@@ -6,6 +6,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
 #ifndef ATTNKIT_ISA
 #error "kernel headers are compiled per ISA: define ATTNKIT_ISA"
 #endif
@@ -29,7 +33,20 @@ inline vfloat vload(const float* p) {
   return v;
 }
 inline void vstore(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
-inline vfloat vbroadcast(float x) { return vfloat{} + x; }
+// Spelled with intrinsics: GCC turns the portable spellings into 0 + x or lane inserts.
+inline vfloat vbroadcast(float x) {
+#if defined(ATTNKIT_ISA_avx512)
+  return (vfloat)_mm512_set1_ps(x);
+#elif defined(ATTNKIT_ISA_avx2)
+  return (vfloat)_mm256_set1_ps(x);
+#elif defined(__SSE2__)
+  return (vfloat)_mm_set1_ps(x);
+#else
+  vfloat v;
+  for (int i = 0; i < kLanes; ++i) v[i] = x;
+  return v;
+#endif
+}
 // NaN-propagating in the first argument is not needed: a NaN score poisons its row via exp2.
 inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
 inline float hmax(vfloat v) {

@@ -9,29 +9,31 @@
 
 namespace attnkit::cpu::ATTNKIT_ISA {
 
-// Folds scores s[0, n) (n a multiple of kLanes; -inf where masked) into the row's running
-// max m and sum l. Overwrites s with P = 2^(s - m_new) and returns the factor 2^(m - m_new)
-// by which the row's output accumulator must be rescaled.
-inline float online_softmax_row(float* s, int64_t n, float& m, float& l) {
-  vfloat vmx = vbroadcast(-INFINITY);
-  for (int64_t j = 0; j < n; j += kLanes) vmx = vmax(vmx, vload(s + j));
-  const float tile_max = hmax(vmx);
-  const float m_new = tile_max > m ? tile_max : m;
-  if (m_new == -INFINITY) {  // nothing visible yet: P = 0, state unchanged
-    for (int64_t j = 0; j < n; j += kLanes) vstore(s + j, vfloat{});
-    return 1.0f;
+// Folds one tile of transposed scores into the rows' running max m and sum l. The tile is
+// st[j * ld + r] for keys j < n_keys and rows r < n_rows (a multiple of kLanes), -inf where
+// masked, so each vector holds one key for kLanes rows and no horizontal reduction is
+// needed. Overwrites the tile with P = 2^(s - m_new) and writes alpha[r] = 2^(m - m_new),
+// the factor by which row r's output accumulator must be rescaled.
+inline void online_softmax_tile(float* st, int64_t n_keys, int64_t ld, int64_t n_rows, float* m,
+                                float* l, float* alpha) {
+  for (int64_t r = 0; r < n_rows; r += kLanes) {
+    const vfloat m_old = vload(m + r);
+    vfloat m_new = m_old;
+    for (int64_t j = 0; j < n_keys; ++j) m_new = vmax(m_new, vload(st + j * ld + r));
+    // Rows that have seen no visible key yet keep m = -inf; exponentiate them against 0
+    // so that P = 2^-inf = 0 rather than NaN.
+    const vfloat m_ref = m_new == -INFINITY ? vfloat{} : m_new;
+    vfloat sum{};
+    for (int64_t j = 0; j < n_keys; ++j) {
+      const vfloat p = vexp2(vload(st + j * ld + r) - m_ref);
+      vstore(st + j * ld + r, p);
+      sum += p;
+    }
+    const vfloat a = vexp2(m_old - m_ref);
+    vstore(alpha + r, a);
+    vstore(l + r, vload(l + r) * a + sum);
+    vstore(m + r, m_new);
   }
-  const vfloat vm = vbroadcast(m_new);
-  vfloat vsum{};
-  for (int64_t j = 0; j < n; j += kLanes) {
-    const vfloat p = vexp2(vload(s + j) - vm);
-    vstore(s + j, p);
-    vsum += p;
-  }
-  const float alpha = std::exp2(m - m_new);
-  l = l * alpha + hsum(vsum);
-  m = m_new;
-  return alpha;
 }
 
 // row[0, n) *= factor (n a multiple of kLanes).

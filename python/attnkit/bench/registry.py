@@ -1,0 +1,121 @@
+"""The op registry: one entry per benchmarked op (``--op NAME``).
+
+An op entry is a :class:`BenchOp`; the driver (runner.py) only talks to ops through it, so
+adding ``sparse_mla`` or ``sage`` means writing one module with a subclass and calling
+:func:`register` on it (then importing the module in :func:`load_ops`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+
+@dataclass
+class Case:
+    """One (shape, dtype) the op is benchmarked at; ``shape`` is op-specific."""
+    shape: Any
+    dtype: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.shape.label} {self.dtype}"
+
+
+@dataclass
+class Contender:
+    """Something that computes the op: attnkit itself, a reference kernel or a peer.
+
+    ``run(inputs)`` returns the output (any array kind the op's verify/compare accepts);
+    ``prepare()`` runs, untimed, before each call (e.g. selecting an ISA);
+    ``finish()`` runs once after the contender is done with a thread count.
+    """
+    name: str
+    role: str  # "attnkit" (what the ratios are against), "reference" or "peer"
+    run: Callable[[Any], Any]
+    prepare: Callable[[], None] = lambda: None
+    finish: Callable[[], None] = lambda: None
+    set_threads: Callable[[int], None] = lambda n: None
+    note: str = ""
+
+
+@dataclass
+class Check:
+    ok: bool
+    err: float            # max |out - ref| / tolerance scale (dimensionless)
+    detail: str = ""
+
+
+@dataclass
+class Counts:
+    flops: float                          # useful FLOPs of one call
+    mem_bytes: Optional[float] = None     # bytes that must stream from memory (floor), if relevant
+    memory_bound: bool = False            # report the memory floor column
+    extra: dict = field(default_factory=dict)
+
+
+class BenchOp:
+    name = "?"
+    description = ""
+
+    # --- shapes -------------------------------------------------------------------------
+    def named_shapes(self) -> dict:
+        raise NotImplementedError
+
+    def default_shape_names(self) -> list:
+        raise NotImplementedError
+
+    def parse_shape(self, text: str):
+        """A named shape or a custom "key=value,..." spec; raises ValueError."""
+        raise NotImplementedError
+
+    def quick_shape(self, shape):
+        """The scaled-down version for --quick."""
+        raise NotImplementedError
+
+    def dtypes_for(self, shape, requested: Optional[list]) -> tuple:
+        """(dtypes to run, note about skipped ones or "")."""
+        raise NotImplementedError
+
+    # --- per case -----------------------------------------------------------------------
+    def counts(self, case: Case) -> Counts:
+        raise NotImplementedError
+
+    def input_bytes(self, case: Case) -> int:
+        raise NotImplementedError
+
+    def make_inputs(self, case: Case, rng) -> Any:
+        raise NotImplementedError
+
+    def reference(self, case: Case, inputs) -> Any:
+        """An exact (float64) reference on a subset of the output, computed once per case."""
+        raise NotImplementedError
+
+    def verify(self, case: Case, ref, out) -> Check:
+        """Checks an output against the reference subset."""
+        raise NotImplementedError
+
+    def compare(self, case: Case, out, attnkit_out) -> Check:
+        """Checks a peer's full output against attnkit's."""
+        raise NotImplementedError
+
+    def inject_error(self, case: Case, ref, out) -> Any:
+        """A copy of `out` made wrong where verify looks (for testing the tool itself)."""
+        raise NotImplementedError
+
+    def contenders(self, case: Case) -> tuple:
+        """(list of Contender, list of notes about skipped peers)."""
+        raise NotImplementedError
+
+
+OPS: dict = {}
+
+
+def register(op: BenchOp) -> BenchOp:
+    OPS[op.name] = op
+    return op
+
+
+def load_ops() -> dict:
+    from . import attention_op  # noqa: F401  (registers "attention")
+    return OPS

@@ -1,0 +1,116 @@
+// Micro-kernel tests, compiled once per ISA (like the kernels) and skipped where this CPU
+// lacks the ISA: the register-tiled GEMM, the vector exp2 and the online-softmax update.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attnkit/runtime.h"
+#include "cpu/kernels/gemm.h"
+#include "cpu/kernels/simd.h"
+#include "cpu/kernels/softmax.h"
+
+#define ISA_STR2(x) #x
+#define ISA_STR(x) ISA_STR2(x)
+#define ISA_TEST__(suite, isa, name) TEST(suite##_##isa, name)
+#define ISA_TEST_(suite, isa, name) ISA_TEST__(suite, isa, name)
+#define ISA_TEST(suite, name) ISA_TEST_(suite, ATTNKIT_ISA, name)
+
+namespace attnkit::cpu::ATTNKIT_ISA {
+namespace {
+
+bool runnable() {
+  const auto isas = attnkit::supported_isas();
+  return std::find(isas.begin(), isas.end(), ISA_STR(ATTNKIT_ISA)) != isas.end();
+}
+#define SKIP_UNLESS_RUNNABLE() \
+  if (!runnable()) GTEST_SKIP() << ISA_STR(ATTNKIT_ISA) " not supported on this CPU"
+
+ISA_TEST(Gemm, MatchesFloat64ReferenceOnEdgeShapes) {
+  SKIP_UNLESS_RUNNABLE();
+  std::mt19937 gen(7);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  const int64_t block_cols = kTileVecs * kLanes;
+  for (int64_t m : {1, kTileRows - 1, kTileRows, kTileRows + 1, 2 * kTileRows + 3}) {
+    for (int64_t n : {int64_t{kLanes}, block_cols, block_cols + kLanes, 3 * block_cols - kLanes}) {
+      for (int64_t k : {1, 7, 64, 129}) {
+        for (bool accumulate : {false, true}) {
+          const int64_t lda = k + 3, ldb = n + kLanes, ldc = n + 2 * kLanes;  // padded strides
+          std::vector<float> a(m * lda), b(k * ldb), c(m * ldc), c0;
+          for (auto& x : a) x = dist(gen);
+          for (auto& x : b) x = dist(gen);
+          for (auto& x : c) x = dist(gen);
+          c0 = c;
+          gemm(m, n, k, a.data(), lda, 1, b.data(), ldb, c.data(), ldc, accumulate);
+          for (int64_t i = 0; i < m; ++i) {
+            for (int64_t j = 0; j < ldc; ++j) {
+              if (j >= n) {  // outside the n columns nothing is written
+                ASSERT_EQ(c[i * ldc + j], c0[i * ldc + j]);
+                continue;
+              }
+              double ref = accumulate ? c0[i * ldc + j] : 0.0;
+              for (int64_t p = 0; p < k; ++p) ref += double(a[i * lda + p]) * b[p * ldb + j];
+              ASSERT_NEAR(c[i * ldc + j], ref, 1e-5 * (k + 1))
+                  << "m=" << m << " n=" << n << " k=" << k << " at (" << i << ", " << j << ")";
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+ISA_TEST(Exp2, AccurateAndExactAtTheEdges) {
+  SKIP_UNLESS_RUNNABLE();
+  float worst = 0.0f;
+  for (float x = -126.0f; x <= 0.0f; x += 0.00731f) {
+    const float got = vexp2(vbroadcast(x))[0];
+    const double ref = std::exp2(double(x));
+    worst = std::max(worst, float(std::fabs(got - ref) / ref));
+  }
+  EXPECT_LT(worst, 3e-7f);  // about 2.5 ulp
+  EXPECT_EQ(vexp2(vbroadcast(0.0f))[0], 1.0f);
+  EXPECT_EQ(vexp2(vbroadcast(-INFINITY))[0], 0.0f);
+  EXPECT_EQ(vexp2(vbroadcast(-127.5f))[0], 0.0f);
+  EXPECT_TRUE(std::isnan(vexp2(vbroadcast(NAN))[0]));
+}
+
+// Two tiles of transposed scores (keys × rows) folded one after the other give each row's
+// exact softmax statistics, and the first tile's P rescaled by alpha matches the final max.
+ISA_TEST(OnlineSoftmax, TwoTilesEqualOneSoftmax) {
+  SKIP_UNLESS_RUNNABLE();
+  const int64_t rows = 2 * kLanes, ld = rows + kLanes, keys = 13;
+  std::mt19937 gen(3);
+  std::normal_distribution<float> dist(0.0f, 3.0f);
+  std::vector<float> s(2 * keys * ld);
+  for (auto& x : s) x = dist(gen);
+  s[5 * ld + 1] = -INFINITY;                                   // one masked key of row 1
+  for (int64_t j = 0; j < 2 * keys; ++j) s[j * ld + 2] = -INFINITY;  // row 2 sees nothing
+  for (int64_t j = 0; j < keys; ++j) s[j * ld + 3] = -INFINITY;      // row 3 only in tile 2
+  std::vector<float> t = s, m(rows, -INFINITY), l(rows, 0.0f), alpha(rows);
+  online_softmax_tile(t.data(), keys, ld, rows, m.data(), l.data(), alpha.data());
+  online_softmax_tile(t.data() + keys * ld, keys, ld, rows, m.data(), l.data(), alpha.data());
+  for (int64_t r = 0; r < rows; ++r) {
+    double mx = -INFINITY, sum = 0.0;
+    for (int64_t j = 0; j < 2 * keys; ++j) mx = std::max(mx, double(s[j * ld + r]));
+    if (r == 2) {
+      EXPECT_EQ(m[r], -INFINITY);
+      EXPECT_EQ(l[r], 0.0f);
+      for (int64_t j = 0; j < 2 * keys; ++j) EXPECT_EQ(t[j * ld + r], 0.0f);
+      continue;
+    }
+    for (int64_t j = 0; j < 2 * keys; ++j) sum += std::exp2(double(s[j * ld + r]) - mx);
+    EXPECT_EQ(m[r], float(mx)) << r;
+    EXPECT_NEAR(l[r], sum, 1e-5 * sum) << r;
+    for (int64_t j = 0; j < keys; ++j) {
+      EXPECT_NEAR(t[j * ld + r] * alpha[r], std::exp2(double(s[j * ld + r]) - mx), 1e-6) << r;
+    }
+  }
+  EXPECT_EQ(t[5 * ld + 1], 0.0f);
+}
+
+}  // namespace
+}  // namespace attnkit::cpu::ATTNKIT_ISA
