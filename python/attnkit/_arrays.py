@@ -86,6 +86,13 @@ def typed(x, name: str):
     return x, dname
 
 
+def typed_output(x, name: str):
+    """typed() for an array attnkit writes into: it must be writable."""
+    if isinstance(x, np.ndarray) and not x.flags.writeable:
+        raise ValueError(f"{name} must be a writable array, got a read-only one")
+    return typed(x, name)
+
+
 def typed_or_none(x, name: str):
     return None if x is None else typed(x, name)
 

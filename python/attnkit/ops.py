@@ -4,7 +4,7 @@ in tests/python/reference.py restates it as code."""
 import math
 
 from . import _C
-from ._arrays import empty_like_kind, is_torch, kind_of, typed, typed_or_none
+from ._arrays import empty_like_kind, kind_of, typed, typed_or_none, typed_output
 
 _CAUSAL = {False: 0, None: 0, True: 1, "top_left": 1, "bottom_right": 2}
 _LAYOUTS = ("BHSD", "BSHD")
@@ -45,8 +45,9 @@ def check_scalars(scale, dropout_p, seed, layout):
 
 def run_attention(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout, out, lse):
     """Calls the kernel on validated kinds; out (and lse, if not None) are caller-owned."""
-    _C.attention(typed(q, "q"), typed(k, "k"), typed(v, "v"), typed(out, "out"),
-                 typed_or_none(lse, "lse"), typed_or_none(attn_mask, "attn_mask"), causal,
+    _C.attention(typed(q, "q"), typed(k, "k"), typed(v, "v"), typed_output(out, "out"),
+                 None if lse is None else typed_output(lse, "lse"),
+                 typed_or_none(attn_mask, "attn_mask"), causal,
                  None if scale is None else float(scale), float(dropout_p), seed,
                  bool(enable_gqa), layout)
 
@@ -86,7 +87,7 @@ def attention(q, k, v, *, attn_mask=None, causal=False, scale=None, dropout_p=0.
     check_scalars(scale, dropout_p, seed, layout)
     kind = kind_of(q, "q")
     for x, name in ((k, "k"), (v, "v"), (attn_mask, "attn_mask"), (out, "out")):
-        if x is not None and kind_of(x, name) != kind:
+        if (x is not None or name in ("k", "v")) and kind_of(x, name) != kind:
             raise ValueError(f"{name} must be a {kind} array like q, got {type(x).__name__}")
     if kind == "torch":
         from . import _torch_ops

@@ -20,9 +20,11 @@ using namespace nb::literals;
 
 namespace {
 
-using Array = nb::ndarray<nb::device::cpu>;
-using TypedArray = std::tuple<Array, std::string>;
+// Inputs may be read-only (nb::ro); outputs must be writable.
+using InArray = std::tuple<nb::ndarray<nb::ro, nb::device::cpu>, std::string>;
+using OutArray = std::tuple<nb::ndarray<nb::device::cpu>, std::string>;
 
+template <class TypedArray>
 attnkit::TensorView to_view(const TypedArray& typed, const char* name) {
   const auto& [array, dtype_name] = typed;
   attnkit::TensorView view;
@@ -36,7 +38,7 @@ attnkit::TensorView to_view(const TypedArray& typed, const char* name) {
                          std::to_string(attnkit::kMaxRank) + " dimensions, got " +
                          std::to_string(array.ndim()));
   }
-  view.data = array.data();
+  view.data = const_cast<void*>(static_cast<const void*>(array.data()));
   view.rank = static_cast<int>(array.ndim());
   for (int d = 0; d < view.rank; ++d) {
     view.shape[d] = static_cast<int64_t>(array.shape(d));
@@ -45,15 +47,15 @@ attnkit::TensorView to_view(const TypedArray& typed, const char* name) {
   return view;
 }
 
+template <class TypedArray>
 std::optional<attnkit::TensorView> to_view(const std::optional<TypedArray>& typed,
                                            const char* name) {
   if (!typed) return std::nullopt;
   return to_view(*typed, name);
 }
 
-void attention(const TypedArray& q, const TypedArray& k, const TypedArray& v,
-               const TypedArray& out, const std::optional<TypedArray>& lse,
-               const std::optional<TypedArray>& attn_mask, int causal,
+void attention(const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
+               const std::optional<OutArray>& lse, const std::optional<InArray>& attn_mask, int causal,
                std::optional<double> scale, double dropout_p, std::optional<uint64_t> seed,
                bool enable_gqa, const std::string& layout) {
   attnkit::AttentionArgs args;
@@ -80,7 +82,7 @@ void attention(const TypedArray& q, const TypedArray& k, const TypedArray& v,
   attnkit::attention(args);
 }
 
-void cast(const TypedArray& src, const TypedArray& dst) {
+void cast(const InArray& src, const OutArray& dst) {
   attnkit::TensorView s = to_view(src, "src"), d = to_view(dst, "dst");
   if (!s.is_contiguous() || !d.is_contiguous() || s.numel() != d.numel()) {
     throw attnkit::Error("cast: src and dst must be contiguous with the same number of elements");

@@ -36,6 +36,7 @@ int64_t TensorView::numel() const {
 }
 
 bool TensorView::is_contiguous() const {
+  if (numel() == 0) return true;  // numpy gives empty arrays arbitrary (often 0) strides
   int64_t expected = 1;
   for (int d = rank - 1; d >= 0; --d) {
     if (shape[d] != 1 && strides[d] != expected) return false;

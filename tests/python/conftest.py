@@ -188,9 +188,10 @@ def assert_bits_equal(a, b, name="out"):
     ne = ba != bb
     if ne.any():
         first = tuple(int(c) for c in np.argwhere(ne)[0])
-        ulps = np.abs(ba.astype(np.int64) - bb.astype(np.int64))[ne]
         fa = np.asarray(a.float() if hasattr(a, "float") else a, dtype=np.float64)
         fb = np.asarray(b.float() if hasattr(b, "float") else b, dtype=np.float64)
+        with np.errstate(invalid="ignore"):
+            diff = np.abs(fa - fb)[ne]
         raise AssertionError(
             f"{name}: {int(ne.sum())} of {ne.size} elements differ bitwise; first at {first}: "
-            f"{fa[first]!r} vs {fb[first]!r}; max bit-pattern distance {int(ulps.max())} ulp")
+            f"{fa[first]!r} vs {fb[first]!r}; max |diff| {np.nanmax(diff):.3g}")

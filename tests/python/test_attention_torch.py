@@ -1,12 +1,11 @@
 """attnkit.attention with torch tensors: agreement with torch SDPA (a second opinion next to
 the float64 reference), dtype/kind round trips, out=, torch.compile and torch.library.opcheck."""
 
-import numpy as np
 import pytest
 
 import attnkit
-from conftest import (DTYPES, assert_bits_equal, make_mask, make_qkv, poison, snapshot,
-                      assert_unmodified, strided_like, to_torch)
+from conftest import (DTYPES, assert_bits_equal, assert_unmodified, make_mask, make_qkv,
+                      snapshot, strided_like, to_torch)
 from reference import assert_close, attention_ref, tolerance
 
 torch = pytest.importorskip("torch")
@@ -31,10 +30,18 @@ def sdpa(q, k, v, layout="BHSD", **kw):
     return out.transpose(1, 2) if layout == "BSHD" else out
 
 
-# Agreement with torch is checked at twice the reference tolerance (both sides carry their
-# own float32 error, and for 16-bit dtypes each side rounds its output once).
-def torch_tol(dtype):
-    return tolerance(dtype, "out", 2.0)
+# Agreement with torch: attnkit is held to the float64 reference at the table's tolerance;
+# against torch the allowance is wider because torch's own CPU kernel is the less exact side:
+# for float16/bfloat16 it rounds the softmax probabilities to the 16-bit dtype before the
+# P @ V product, an absolute error of up to ~eps(dtype) * max|v| per output (observed 0.016
+# for bf16 with |v| <= 4.5). So: rtol twice the table's, atol 2 * eps(dtype) * max|v|
+# (eps = 2^-8 bf16, 2^-10 fp16); float32 gets twice the table's tolerance.
+def torch_tol(dtype, v=None):
+    atol, rtol = tolerance(dtype, "out", 2.0)
+    if dtype != "float32" and v is not None:
+        eps = 2.0 ** -8 if dtype == "bfloat16" else 2.0 ** -10
+        atol = max(atol, 2 * eps * float(v.abs().max()))
+    return atol, rtol
 
 
 SDPA_CASES = [
@@ -81,7 +88,7 @@ def test_matches_torch_sdpa(rng, dtype, case):
     got = attnkit.attention(q, k, v, attn_mask=mask, causal=causal, scale=scale,
                             enable_gqa=Hq != Hkv, layout=layout)
     assert isinstance(got, torch.Tensor) and got.dtype == q.dtype and got.shape == want.shape
-    assert_close(got, want.double().numpy(), *torch_tol(dtype), "attnkit vs torch SDPA")
+    assert_close(got, want.double().numpy(), *torch_tol(dtype, v), "attnkit vs torch SDPA")
     # and torch itself agrees with the float64 reference (sanity of the comparison)
     ref = attention_ref(q, k, v, mask, causal, scale, Hq != Hkv, layout)[0]
     assert_close(got, ref, *tolerance(dtype), "attnkit vs reference")
@@ -266,4 +273,4 @@ def test_torch_inputs_strided(rng):
     assert not q.is_contiguous()
     out = attnkit.attention(q, k, v, enable_gqa=True, layout="BSHD", causal="bottom_right")
     want = sdpa(q, k, v, "BSHD", attn_mask=causal_mask(30, 45, "bottom_right"), enable_gqa=True)
-    assert_close(out, want.double().numpy(), *torch_tol("bfloat16"), "strided vs SDPA")
+    assert_close(out, want.double().numpy(), *torch_tol("bfloat16", v), "strided vs SDPA")

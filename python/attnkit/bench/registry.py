@@ -27,8 +27,8 @@ class Contender:
     """Something that computes the op: attnkit itself, a reference kernel or a peer.
 
     ``run(inputs)`` returns the output (any array kind the op's verify/compare accepts);
-    ``prepare()`` runs, untimed, before each call (e.g. selecting an ISA);
-    ``finish()`` runs once after the contender is done with a thread count.
+    ``prepare()`` runs before each call or batch of calls (e.g. selecting an ISA) and
+    ``finish()`` after it, both untimed; ``set_threads(n)`` before each thread count.
     """
     name: str
     role: str  # "attnkit" (what the ratios are against), "reference" or "peer"
@@ -42,7 +42,7 @@ class Contender:
 @dataclass
 class Check:
     ok: bool
-    err: float            # max |out - ref| / tolerance scale (dimensionless)
+    err: float            # max |out - ref| / rms(ref) (dimensionless)
     detail: str = ""
 
 

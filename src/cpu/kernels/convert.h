@@ -62,17 +62,17 @@ inline void load_row(const typename Elem<T>::type* src, int64_t stride, int64_t 
   }
 }
 
-// Loads one mask element as an additive log2-domain bias (bool false -> -inf).
-inline float load_mask(DType dtype, const void* base, int64_t offset, float log2e) {
+// Loads one mask element as an additive bias (bool false -> -inf).
+inline float load_mask(DType dtype, const void* base, int64_t offset) {
   switch (dtype) {
     case DType::boolean:
       return static_cast<const uint8_t*>(base)[offset] ? 0.0f : -__builtin_inff();
     case DType::float16:
-      return Elem<DType::float16>::load(static_cast<const uint16_t*>(base)[offset]) * log2e;
+      return Elem<DType::float16>::load(static_cast<const uint16_t*>(base)[offset]);
     case DType::bfloat16:
-      return Elem<DType::bfloat16>::load(static_cast<const uint16_t*>(base)[offset]) * log2e;
+      return Elem<DType::bfloat16>::load(static_cast<const uint16_t*>(base)[offset]);
     default:
-      return static_cast<const float*>(base)[offset] * log2e;
+      return static_cast<const float*>(base)[offset];
   }
 }
 

@@ -12,11 +12,14 @@
 
 namespace attnkit::cpu::ATTNKIT_ISA {
 
-// Register tile: kTileRows rows × kTileVecs vectors of C live in registers.
+// Register tiles: MR rows × NV vectors of C live in registers. AVX-512 has 32 vector
+// registers (24 accumulators); AVX2 and SSE have 16 (12 accumulators).
 #if defined(ATTNKIT_ISA_avx512)
-inline constexpr int kTileRows = 6, kTileVecs = 4;  // 24 of 32 zmm
+inline constexpr int kTallRows = 6, kTallVecs = 4;  // for C with few columns (P·V)
+inline constexpr int kWideRows = 4, kWideVecs = 6;  // for C with many columns (Kᵀ·Q)
 #else
-inline constexpr int kTileRows = 4, kTileVecs = 3;  // 12 of 16 ymm/xmm
+inline constexpr int kTallRows = 4, kTallVecs = 3;
+inline constexpr int kWideRows = 4, kWideVecs = 3;
 #endif
 
 // c[MR][NV*kLanes] (+)= a[MR][k] · b[k][NV*kLanes], with a(i, p) = a[i * lda + p * a_step].
@@ -52,27 +55,31 @@ void gemm_tile(int64_t k, const float* a, int64_t lda, int64_t a_step, const flo
 using GemmTileFn = void (*)(int64_t, const float*, int64_t, int64_t, const float*, int64_t, float*,
                             int64_t, bool);
 
-template <int MR, int... NV>
-constexpr auto gemm_row_of_tiles(std::integer_sequence<int, NV...>) {
-  return std::array<GemmTileFn, sizeof...(NV)>{&gemm_tile<MR, NV + 1>...};
-}
-template <int... MR>
-constexpr auto gemm_tiles(std::integer_sequence<int, MR...>) {
-  return std::array{gemm_row_of_tiles<MR + 1>(std::make_integer_sequence<int, kTileVecs>{})...};
-}
-// gemm_tile<mr, nv> for every 1 <= mr <= kTileRows, 1 <= nv <= kTileVecs (edge tiles).
-inline constexpr auto kGemmTiles = gemm_tiles(std::make_integer_sequence<int, kTileRows>{});
+// gemm_tile<mr, nv> for every 1 <= mr <= MR, 1 <= nv <= NV: the full tile and its edges.
+template <int MR, int NV>
+struct GemmTiles {
+  template <int R, int... V>
+  static constexpr auto row(std::integer_sequence<int, V...>) {
+    return std::array<GemmTileFn, NV>{&gemm_tile<R, V + 1>...};
+  }
+  template <int... R>
+  static constexpr auto all(std::integer_sequence<int, R...>) {
+    return std::array{row<R + 1>(std::make_integer_sequence<int, NV>{})...};
+  }
+  static constexpr auto table = all(std::make_integer_sequence<int, MR>{});
+};
 
-// c[m][n] (+)= a[m][k] · b[k][n] with a(i, p) = a[i * lda + p * a_step]; n must be a
-// multiple of kLanes (callers pad B and C).
-inline void gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, int64_t a_step,
-                 const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
-  for (int64_t n0 = 0; n0 < n; n0 += kTileVecs * kLanes) {
-    const int64_t nv = (n - n0) / kLanes < kTileVecs ? (n - n0) / kLanes : kTileVecs;
-    for (int64_t m0 = 0; m0 < m; m0 += kTileRows) {
-      const int64_t mr = m - m0 < kTileRows ? m - m0 : kTileRows;
-      kGemmTiles[mr - 1][nv - 1](k, a + m0 * lda, lda, a_step, b + n0, ldb, c + m0 * ldc + n0,
-                                 ldc, accumulate);
+// c[m][n] (+)= a[m][k] · b[k][n] with a(i, p) = a[i * lda + p * a_step], in MR × NV-vector
+// register tiles; n must be a multiple of kLanes (callers pad B and C).
+template <int MR, int NV>
+void gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, int64_t a_step,
+          const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  for (int64_t n0 = 0; n0 < n; n0 += NV * kLanes) {
+    const int64_t nv = (n - n0) / kLanes < NV ? (n - n0) / kLanes : NV;
+    for (int64_t m0 = 0; m0 < m; m0 += MR) {
+      const int64_t mr = m - m0 < MR ? m - m0 : MR;
+      GemmTiles<MR, NV>::table[mr - 1][nv - 1](k, a + m0 * lda, lda, a_step, b + n0, ldb,
+                                               c + m0 * ldc + n0, ldc, accumulate);
     }
   }
 }

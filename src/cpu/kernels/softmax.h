@@ -1,5 +1,6 @@
-// The online-softmax update (FlashAttention's running max and sum), one row at a time,
-// in the log2 domain: scores arrive pre-multiplied by log2(e) so exp becomes exp2.
+// The online-softmax update (FlashAttention's running max and sum). Scores stay in the
+// natural domain (so an additive mask such as finfo.min cannot overflow when scaled);
+// exp(x) is computed as exp2(x · log2 e) after the max is subtracted.
 #pragma once
 
 #include <cmath>
@@ -9,10 +10,12 @@
 
 namespace attnkit::cpu::ATTNKIT_ISA {
 
+inline constexpr float kLog2e = 1.4426950408889634f;
+
 // Folds one tile of transposed scores into the rows' running max m and sum l. The tile is
 // st[j * ld + r] for keys j < n_keys and rows r < n_rows (a multiple of kLanes), -inf where
 // masked, so each vector holds one key for kLanes rows and no horizontal reduction is
-// needed. Overwrites the tile with P = 2^(s - m_new) and writes alpha[r] = 2^(m - m_new),
+// needed. Overwrites the tile with P = e^(s - m_new) and writes alpha[r] = e^(m - m_new),
 // the factor by which row r's output accumulator must be rescaled.
 inline void online_softmax_tile(float* st, int64_t n_keys, int64_t ld, int64_t n_rows, float* m,
                                 float* l, float* alpha) {
@@ -21,15 +24,15 @@ inline void online_softmax_tile(float* st, int64_t n_keys, int64_t ld, int64_t n
     vfloat m_new = m_old;
     for (int64_t j = 0; j < n_keys; ++j) m_new = vmax(m_new, vload(st + j * ld + r));
     // Rows that have seen no visible key yet keep m = -inf; exponentiate them against 0
-    // so that P = 2^-inf = 0 rather than NaN.
+    // so that P = e^-inf = 0 rather than NaN.
     const vfloat m_ref = m_new == -INFINITY ? vfloat{} : m_new;
     vfloat sum{};
     for (int64_t j = 0; j < n_keys; ++j) {
-      const vfloat p = vexp2(vload(st + j * ld + r) - m_ref);
+      const vfloat p = vexp2((vload(st + j * ld + r) - m_ref) * kLog2e);
       vstore(st + j * ld + r, p);
       sum += p;
     }
-    const vfloat a = vexp2(m_old - m_ref);
+    const vfloat a = vexp2((m_old - m_ref) * kLog2e);
     vstore(alpha + r, a);
     vstore(l + r, vload(l + r) * a + sum);
     vstore(m + r, m_new);

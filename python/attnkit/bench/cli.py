@@ -1,0 +1,186 @@
+"""python -m attnkit.bench: verify, then time attnkit against its peers (BENCH.md).
+
+Exit status: 0 when every contender's result verified, 1 when any verification FAILED (or
+attnkit raised), 2 on a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from .registry import Case, load_ops
+
+INJECT_ENV = "ATTNKIT_BENCH_INJECT_ERROR"
+
+
+def _split(values):
+    out = []
+    for v in values or []:
+        out.extend(x.strip() for x in v.split(",") if x.strip())
+    return out
+
+
+def _parse_threads(values, default):
+    if not values:
+        return default
+    out = []
+    for v in _split(values):
+        try:
+            n = int(v)
+        except ValueError:
+            raise SystemExit(f"--threads: expected integers, got {v!r}") from None
+        if n < 1:
+            raise SystemExit(f"--threads: must be >= 1, got {n}")
+        if n not in out:
+            out.append(n)
+    return out
+
+
+def build_parser(ops) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m attnkit.bench",
+        description="Verify, then time attnkit against its peers in one run, as ratios "
+                    "(protocol: BENCH.md).",
+        epilog="Shapes (attention): A (causal prefill B=1 Hq=32 Hkv=8 S=2048 D=128), A' / Ap "
+               "(same, non-causal), V (B=1 H=24 S=4608 D=128, bf16), Dc (decode Sq=1 Skv=8192), "
+               "or custom, e.g. \"B=1,Hq=32,Hkv=8,S=2048,D=128,causal\" (keys B Hq Hkv H S Sq "
+               "Skv D Dv, flag causal; may start from a named shape: \"A,S=4096\").")
+    p.add_argument("--op", default="attention", choices=sorted(ops),
+                   help="op to benchmark (default: attention)")
+    p.add_argument("--shape", action="append", metavar="SHAPE",
+                   help="named or custom shape; repeatable (default: the op's reference shapes)")
+    p.add_argument("--dtype", action="append", metavar="DTYPE",
+                   help="float32 | bfloat16 | float16; repeatable or comma-separated "
+                        "(default: per shape, as in BENCH.md)")
+    p.add_argument("--threads", action="append", metavar="N[,N...]",
+                   help="thread counts (default: 1 and all cores)")
+    p.add_argument("--quick", action="store_true",
+                   help="sequence lengths / 4 and fewer repeats (the default run in < 1 min)")
+    p.add_argument("--repeats", type=int, help="timed rounds (default: 7, quick: 3)")
+    p.add_argument("--warmup", type=int, help="untimed rounds after verification (default: 1, "
+                                              "quick: 0)")
+    p.add_argument("--budget", type=float, metavar="SECONDS",
+                   help="time budget per (shape, dtype, threads); repeats shrink to fit, never "
+                        "below 3 (quick: 2) (default: 60, quick: 3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--csv", metavar="FILE", help="write every row to a CSV file")
+    p.add_argument("--plot", metavar="FILE.png", help="bar charts of %% peak and peer ratios")
+    p.add_argument("--list-shapes", action="store_true", help="print the named shapes and exit")
+    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    # Testing the tool: perturbs attnkit's output before verification (must report FAILED and
+    # exit 1). Also enabled by ATTNKIT_BENCH_INJECT_ERROR=1.
+    p.add_argument("--inject-error", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv=None) -> int:
+    ops = load_ops()
+    parser = build_parser(ops)
+    args = parser.parse_args(argv)
+    op = ops[args.op]
+
+    if args.list_shapes:
+        for name, s in op.named_shapes().items():
+            dims = s.dims() if hasattr(s, "dims") else str(s)
+            print(f"{name:4s} {dims}  dtypes: {', '.join(s.dtypes or ())}")
+        return 0
+
+    from .attention_op import DTYPE_ALIASES
+    requested = None
+    if args.dtype:
+        requested = []
+        for d in _split(args.dtype):
+            if d.lower() not in DTYPE_ALIASES:
+                parser.error(f"--dtype: unknown dtype {d!r} (float32, bfloat16, float16)")
+            if DTYPE_ALIASES[d.lower()] not in requested:
+                requested.append(DTYPE_ALIASES[d.lower()])
+
+    try:
+        shapes = [op.parse_shape(s) for s in (args.shape or op.default_shape_names())]
+    except ValueError as e:
+        parser.error(f"--shape: {e}")
+    if args.quick:
+        shapes = [op.quick_shape(s) for s in shapes]
+
+    notes, cases = [], []
+    for s in shapes:
+        dts, note = op.dtypes_for(s, requested)
+        if note:
+            notes.append(note)
+        cases.extend(Case(s, d) for d in dts)
+    if not cases:
+        parser.error("nothing to run: " + "; ".join(notes))
+
+    from .machine import cores
+    from .runner import Progress, Settings, run
+
+    all_cores = cores()
+    try:
+        threads = _parse_threads(args.threads, sorted({1, all_cores}))
+    except SystemExit as e:
+        parser.error(str(e))
+
+    settings = Settings(quick=args.quick, seed=args.seed,
+                        inject_error=args.inject_error or os.environ.get(INJECT_ENV, "") not in
+                        ("", "0"))
+    if args.quick:
+        settings.warmup, settings.repeats, settings.min_repeats = 0, 3, 2
+        settings.budget_s, settings.min_sample_s = 3.0, 0.005
+    if args.repeats is not None:
+        settings.repeats = max(1, args.repeats)
+        settings.min_repeats = min(settings.min_repeats, settings.repeats)
+    if args.warmup is not None:
+        settings.warmup = max(0, args.warmup)
+    if args.budget is not None:
+        settings.budget_s = args.budget
+
+    import attnkit  # noqa: F401  (fails here, not mid-run, if the extension is missing)
+
+    from . import machine as machine_mod
+    from .report import format_tables, write_csv, write_plot
+
+    progress = Progress(enabled=not args.no_progress)
+    t0 = time.perf_counter()
+    mach = machine_mod.measure(threads, progress)
+    rows = run(op, cases, threads, mach, settings, progress, notes)
+    machine_mod.measure(threads, progress, mach)  # again after the run; keeps the best
+    progress.done()
+    for r in rows:
+        r.peak_gflops, r.read_gbs = mach.peak_gflops[r.threads], mach.read_gbs[r.threads]
+    elapsed = time.perf_counter() - t0
+
+    print(mach.line() + " (best of before/after the run)")
+    print(f"op {op.name}: {len(cases)} case(s), threads {', '.join(map(str, threads))}"
+          f"{', quick (sequence lengths / 4)' if args.quick else ''}; median of "
+          f"{settings.repeats} interleaved rounds (fewer where the budget is short); "
+          f"ratio = contender time / attnkit time (>1: attnkit faster); % peak of the fp32 FMA "
+          f"peak measured above for the same thread count")
+    if settings.inject_error:
+        print("note: --inject-error: attnkit's output is perturbed before verification")
+    for n in notes:
+        print(f"note: {n}")
+    print()
+    print(format_tables(rows))
+
+    if any(r.timed and r.pct_peak > 100 for r in rows):
+        print("note: % peak above 100 means the peak measurement was slowed by other load on "
+              "this machine; ratios in the same run still hold")
+    failed = [r for r in rows if r.status == "FAILED"]
+    if args.csv:
+        write_csv(args.csv, rows)
+        print(f"wrote {args.csv}")
+    if args.plot:
+        try:
+            write_plot(args.plot, rows, f"attnkit {op.name} — {mach.model}, isa {mach.isa}")
+            print(f"wrote {args.plot}")
+        except ImportError as e:
+            print(f"note: --plot skipped: {e}", file=sys.stderr)
+    if failed:
+        print(f"verification FAILED for {len(failed)} of {len(rows)} rows "
+              f"({elapsed:.0f} s)")
+        return 1
+    print(f"all {len(rows)} rows verified ({elapsed:.0f} s)")
+    return 0
