@@ -14,6 +14,7 @@
 #include "core/thread_pool.h"
 #include "cpu/kernel_table.h"
 #include "cpu/kernels/convert.h"
+#include "cpu/kernels/dot.h"
 #include "cpu/kernels/gemm.h"
 #include "cpu/kernels/softmax.h"
 #include "ops/attention_params.h"
@@ -22,6 +23,8 @@ namespace attnkit::cpu::ATTNKIT_ISA {
 namespace {
 
 constexpr int64_t kKvTile = 64;     // keys per tile
+constexpr int64_t kMinSplitTiles = 4;      // a kv split covers at least this many tiles
+constexpr int64_t kMinParallelTasks = 16;  // fewer row blocks than this: split the keys
 // Query rows per task (heads of a group × positions): a multiple of 16 (the Kᵀ·Q tile's
 // columns) and of 6 (the P·V tile's rows on AVX-512), measured best of 48, 64 and 96.
 constexpr int64_t kRowTarget = 48;
@@ -30,8 +33,10 @@ int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // How the work splits into tasks, and the per-thread workspace each task uses.
 struct Plan {
-  int64_t heads_per_task, positions_per_task, head_chunks, q_blocks, tasks;
-  int64_t rows_pad, dv_pad, workspace_floats;
+  int64_t heads_per_task, positions_per_task, head_chunks, q_blocks, row_blocks;
+  int64_t kv_splits, kv_split_len, tasks;  // tasks = row_blocks * kv_splits
+  int64_t rows_pad, d_pad, dv_pad, workspace_floats, partial_floats;
+  bool row_dot;                 // few rows: dot each key with each row (no row padding)
   bool k_in_place, v_in_place;  // fp32 rows with unit stride need no packing
 
   explicit Plan(const AttentionParams& p) {
@@ -40,17 +45,34 @@ struct Plan {
     if (positions_per_task > p.Sq) positions_per_task = p.Sq;
     head_chunks = (p.group + heads_per_task - 1) / heads_per_task;
     q_blocks = (p.Sq + positions_per_task - 1) / positions_per_task;
-    tasks = p.B * p.Hkv * head_chunks * q_blocks;
-    rows_pad = round_up(heads_per_task * positions_per_task, kLanes);
+    row_blocks = p.B * p.Hkv * head_chunks * q_blocks;
+    // Too few row blocks to keep the threads busy (decode): split the keys as well, at
+    // least kMinSplitTiles tiles per split; the partial softmax states are merged exactly.
+    // The split depends on the shape only, never on the thread count, so results are
+    // bit-identical for any number of threads.
+    kv_splits = 1;
+    if (row_blocks < kMinParallelTasks) {
+      const int64_t want = (kMinParallelTasks + row_blocks - 1) / row_blocks;
+      const int64_t most = p.Skv / (kMinSplitTiles * kKvTile);
+      kv_splits = want < most ? want : (most > 1 ? most : 1);
+    }
+    kv_split_len = round_up((p.Skv + kv_splits - 1) / kv_splits, kKvTile);
+    tasks = row_blocks * kv_splits;
+
+    const int64_t rows = heads_per_task * positions_per_task;
+    rows_pad = round_up(rows, kLanes);
+    d_pad = round_up(p.D, kLanes);
     dv_pad = round_up(p.Dv, kLanes);
-    k_in_place = p.dtype == DType::float32 && p.k_stride[3] == 1;
+    row_dot = rows <= kMaxDotRows && 2 * rows <= kLanes;
+    k_in_place = p.k_stride[3] == 1 && (row_dot || p.dtype == DType::float32);
     v_in_place = p.dtype == DType::float32 && p.v_stride[3] == 1 && p.Dv == dv_pad;
-    workspace_floats = p.D * rows_pad              // Qᵀ, scaled
+    workspace_floats = d_pad * rows_pad            // Qᵀ (or Q rows), scaled
                        + rows_pad * dv_pad         // output accumulators
                        + kKvTile * rows_pad        // Sᵀ, then Pᵀ
                        + kKvTile * p.D             // K tile (when packed)
                        + kKvTile * dv_pad          // V tile (when packed)
                        + 3 * rows_pad;             // running max, sum, rescale factors
+    partial_floats = kv_splits > 1 ? rows_pad * (dv_pad + 2) : 0;  // o, m, l of one split
   }
 };
 
@@ -58,7 +80,7 @@ struct Workspace {
   float *qt, *o, *st, *k, *v, *m, *l, *alpha;
   Workspace(float* base, const Plan& plan, const AttentionParams& p) {
     qt = base;
-    o = qt + p.D * plan.rows_pad;
+    o = qt + plan.d_pad * plan.rows_pad;
     st = o + plan.rows_pad * plan.dv_pad;
     k = st + kKvTile * plan.rows_pad;
     v = k + kKvTile * p.D;
@@ -68,6 +90,12 @@ struct Workspace {
   }
 };
 
+// The rows of one task: heads h0 .. h0+nh-1 of kv head kvh, positions i0 .. i0+nq-1.
+// Row r is head h0 + r / nq at position i0 + r % nq.
+struct RowBlock {
+  int64_t b, kvh, h0, nh, i0, nq, rows;
+};
+
 template <DType T>
 class AttentionTask {
   using E = typename Elem<T>::type;
@@ -75,77 +103,149 @@ class AttentionTask {
  public:
   AttentionTask(const AttentionParams& p, const Plan& plan) : p_(p), plan_(plan) {}
 
-  void run(int64_t task, float* workspace) const {
-    // Heavy first: the last query blocks (most keys under a causal mask) are handed out first.
+  RowBlock row_block(int64_t index) const {
+    // Heavy first: the last query blocks (most keys under a causal mask) come first.
     const int64_t per_block = p_.B * p_.Hkv * plan_.head_chunks;
-    const int64_t qb = plan_.q_blocks - 1 - task / per_block;
-    int64_t rest = task % per_block;
+    const int64_t qb = plan_.q_blocks - 1 - index / per_block;
+    int64_t rest = index % per_block;
     const int64_t chunk = rest % plan_.head_chunks;
     rest /= plan_.head_chunks;
-    const int64_t kvh = rest % p_.Hkv, b = rest / p_.Hkv;
+    RowBlock rb;
+    rb.kvh = rest % p_.Hkv, rb.b = rest / p_.Hkv;
+    rb.i0 = qb * plan_.positions_per_task;
+    rb.nq = p_.Sq - rb.i0 < plan_.positions_per_task ? p_.Sq - rb.i0 : plan_.positions_per_task;
+    rb.h0 = rb.kvh * p_.group + chunk * plan_.heads_per_task;
+    const int64_t nh_left = (rb.kvh + 1) * p_.group - rb.h0;
+    rb.nh = nh_left < plan_.heads_per_task ? nh_left : plan_.heads_per_task;
+    rb.rows = rb.nh * rb.nq;
+    return rb;
+  }
 
-    const int64_t i0 = qb * plan_.positions_per_task;
-    const int64_t nq = p_.Sq - i0 < plan_.positions_per_task ? p_.Sq - i0 : plan_.positions_per_task;
-    const int64_t h0 = kvh * p_.group + chunk * plan_.heads_per_task;
-    const int64_t nh_left = (kvh + 1) * p_.group - h0;
-    const int64_t nh = nh_left < plan_.heads_per_task ? nh_left : plan_.heads_per_task;
-    const int64_t rows = nh * nq;  // row r is head h0 + r / nq, position i0 + r % nq
-    const int64_t ld = plan_.rows_pad;
+  // Task = (row block, kv split). Without splits it writes the output directly; with
+  // splits it leaves its unnormalised state in `partial` for merge().
+  void run(int64_t task, float* workspace, float* partial) const {
+    const RowBlock rb = row_block(task / plan_.kv_splits);
+    const int64_t split = task % plan_.kv_splits;
     Workspace w(workspace, plan_, p_);
-
-    pack_qt(b, h0, i0, nh, nq, w.qt);
-    std::memset(w.o, 0, sizeof(float) * rows * plan_.dv_pad);
-    for (int64_t r = 0; r < ld; ++r) w.m[r] = -INFINITY, w.l[r] = 0.0f;
-
     int64_t kv_end = p_.Skv;
     if (p_.causal) {
-      const int64_t last_visible = i0 + nq - 1 + p_.causal_offset;
+      const int64_t last_visible = rb.i0 + rb.nq - 1 + p_.causal_offset;
       if (last_visible + 1 < kv_end) kv_end = last_visible + 1 < 0 ? 0 : last_visible + 1;
     }
-    const E* kbase = static_cast<const E*>(p_.k) + b * p_.k_stride[0] + kvh * p_.k_stride[1];
-    const E* vbase = static_cast<const E*>(p_.v) + b * p_.v_stride[0] + kvh * p_.v_stride[1];
-    for (int64_t j0 = 0; j0 < kv_end; j0 += kKvTile) {
-      const int64_t bc = kv_end - j0 < kKvTile ? kv_end - j0 : kKvTile;
-      const float *k, *v;
-      int64_t ldk, ldv;
-      if (plan_.k_in_place) {
-        k = reinterpret_cast<const float*>(kbase + j0 * p_.k_stride[2]), ldk = p_.k_stride[2];
-      } else {
-        pack_rows(kbase + j0 * p_.k_stride[2], p_.k_stride[2], p_.k_stride[3], bc, p_.D, p_.D, w.k);
-        k = w.k, ldk = p_.D;
+    const int64_t begin = split * plan_.kv_split_len;
+    const int64_t end = begin + plan_.kv_split_len < kv_end ? begin + plan_.kv_split_len : kv_end;
+    attend(rb, begin, end, w);
+    if (plan_.kv_splits == 1) {
+      write_out(rb, w.o, w.m, w.l);
+      return;
+    }
+    float* slot = partial + task * plan_.partial_floats;
+    std::memcpy(slot, w.o, sizeof(float) * rb.rows * plan_.dv_pad);
+    std::memcpy(slot + plan_.rows_pad * plan_.dv_pad, w.m, sizeof(float) * plan_.rows_pad);
+    std::memcpy(slot + plan_.rows_pad * (plan_.dv_pad + 1), w.l, sizeof(float) * plan_.rows_pad);
+  }
+
+  // Combines the kv splits of one row block: with M = max_s m_s, the row's sum is
+  // Σ_s l_s e^(m_s - M) and its output Σ_s o_s e^(m_s - M), exactly as one pass would.
+  void merge(int64_t row_block_index, float* workspace, const float* partial) const {
+    const RowBlock rb = row_block(row_block_index);
+    Workspace w(workspace, plan_, p_);
+    const int64_t dv_pad = plan_.dv_pad, rows_pad = plan_.rows_pad;
+    const float* first = partial + row_block_index * plan_.kv_splits * plan_.partial_floats;
+    for (int64_t r = 0; r < rb.rows; ++r) {
+      float mx = -INFINITY;
+      for (int64_t s = 0; s < plan_.kv_splits; ++s) {
+        const float ms = first[s * plan_.partial_floats + rows_pad * dv_pad + r];
+        mx = ms > mx ? ms : mx;
       }
+      float* o = w.o + r * dv_pad;
+      std::memset(o, 0, sizeof(float) * dv_pad);
+      float l = 0.0f;
+      for (int64_t s = 0; mx != -INFINITY && s < plan_.kv_splits; ++s) {
+        const float* slot = first + s * plan_.partial_floats;
+        const float factor = std::exp(slot[rows_pad * dv_pad + r] - mx);
+        l += slot[rows_pad * (dv_pad + 1) + r] * factor;
+        const vfloat f = vbroadcast(factor);
+        for (int64_t d = 0; d < dv_pad; d += kLanes) vstore(o + d, vload(o + d) + vload(slot + r * dv_pad + d) * f);
+      }
+      w.m[r] = mx;
+      w.l[r] = l;
+    }
+    write_out(rb, w.o, w.m, w.l);
+  }
+
+ private:
+  // Runs keys [begin, end) through the tile loop, leaving the rows' state in w.o, w.m, w.l.
+  void attend(const RowBlock& rb, int64_t begin, int64_t end, const Workspace& w) const {
+    const int64_t ld = plan_.rows_pad;
+    if (plan_.row_dot) {
+      pack_q_rows(rb, w.qt);
+    } else {
+      pack_qt(rb, w.qt);
+    }
+    std::memset(w.o, 0, sizeof(float) * rb.rows * plan_.dv_pad);
+    for (int64_t r = 0; r < ld; ++r) w.m[r] = -INFINITY, w.l[r] = 0.0f;
+
+    const E* kbase = static_cast<const E*>(p_.k) + rb.b * p_.k_stride[0] + rb.kvh * p_.k_stride[1];
+    const E* vbase = static_cast<const E*>(p_.v) + rb.b * p_.v_stride[0] + rb.kvh * p_.v_stride[1];
+    for (int64_t j0 = begin; j0 < end; j0 += kKvTile) {
+      const int64_t bc = end - j0 < kKvTile ? end - j0 : kKvTile;
+      const E* ksrc = kbase + j0 * p_.k_stride[2];
+      if (plan_.row_dot) {  // Sᵀ[j][r] = K[j] · Q[r]
+        if (plan_.k_in_place) {
+          dot_rows<T>(rb.rows, bc, p_.D, ksrc, p_.k_stride[2], w.qt, plan_.d_pad, w.st, ld);
+        } else {
+          pack_rows(ksrc, p_.k_stride[2], p_.k_stride[3], bc, p_.D, p_.D, w.k);
+          dot_rows<DType::float32>(rb.rows, bc, p_.D, w.k, p_.D, w.qt, plan_.d_pad, w.st, ld);
+        }
+      } else {  // Sᵀ = K · Qᵀ
+        const float* k = w.k;
+        int64_t ldk = p_.D;
+        if (plan_.k_in_place) {
+          k = reinterpret_cast<const float*>(ksrc), ldk = p_.k_stride[2];
+        } else {
+          pack_rows(ksrc, p_.k_stride[2], p_.k_stride[3], bc, p_.D, p_.D, w.k);
+        }
+        gemm<kWideRows, kWideVecs>(bc, ld, p_.D, k, ldk, 1, w.qt, ld, w.st, ld, false);
+      }
+      apply_masks(rb, j0, bc, w.st);
+      online_softmax_tile(w.st, bc, ld, ld, w.m, w.l, w.alpha);
+      for (int64_t r = 0; r < rb.rows; ++r) {
+        if (w.alpha[r] != 1.0f) scale_row(w.o + r * plan_.dv_pad, plan_.dv_pad, w.alpha[r]);
+      }
+      if (p_.dropout_p > 0.0f) apply_dropout(rb, j0, bc, w.st);
+      const float* v = w.v;
+      int64_t ldv = plan_.dv_pad;
       if (plan_.v_in_place) {
         v = reinterpret_cast<const float*>(vbase + j0 * p_.v_stride[2]), ldv = p_.v_stride[2];
       } else {
         pack_rows(vbase + j0 * p_.v_stride[2], p_.v_stride[2], p_.v_stride[3], bc, p_.Dv, plan_.dv_pad, w.v);
-        v = w.v, ldv = plan_.dv_pad;
       }
-      gemm<kWideRows, kWideVecs>(bc, ld, p_.D, k, ldk, 1, w.qt, ld, w.st, ld, false);  // Sᵀ = K·Qᵀ
-      apply_masks(b, h0, i0, nq, rows, j0, bc, w.st);
-      online_softmax_tile(w.st, bc, ld, ld, w.m, w.l, w.alpha);
-      for (int64_t r = 0; r < rows; ++r) {
-        if (w.alpha[r] != 1.0f) scale_row(w.o + r * plan_.dv_pad, plan_.dv_pad, w.alpha[r]);
-      }
-      if (p_.dropout_p > 0.0f) apply_dropout(b, h0, i0, nq, rows, j0, bc, w.st);
-      gemm<kTallRows, kTallVecs>(rows, plan_.dv_pad, bc, w.st, 1, ld, v, ldv, w.o, plan_.dv_pad,
+      gemm<kTallRows, kTallVecs>(rb.rows, plan_.dv_pad, bc, w.st, 1, ld, v, ldv, w.o, plan_.dv_pad,
                                  true);  // O += P · V
     }
-    write_out(b, h0, i0, nq, rows, w);
   }
 
- private:
+  // Q rows [rows][d_pad], pre-multiplied by the softmax scale, zero-padded (row-dot path).
+  void pack_q_rows(const RowBlock& rb, float* q) const {
+    const E* base = static_cast<const E*>(p_.q) + rb.b * p_.q_stride[0];
+    for (int64_t r = 0; r < rb.rows; ++r) {
+      const E* src = base + (rb.h0 + r / rb.nq) * p_.q_stride[1] + (rb.i0 + r % rb.nq) * p_.q_stride[2];
+      float* dst = q + r * plan_.d_pad;
+      load_row<T>(src, p_.q_stride[3], p_.D, p_.scale, dst);
+      for (int64_t d = p_.D; d < plan_.d_pad; ++d) dst[d] = 0.0f;
+    }
+  }
+
+private:
   // Qᵀ [D][rows_pad], pre-multiplied by the softmax scale; padding rows are zero.
-  void pack_qt(int64_t b, int64_t h0, int64_t i0, int64_t nh, int64_t nq, float* qt) const {
-    const E* base = static_cast<const E*>(p_.q) + b * p_.q_stride[0];
-    const float scale = p_.scale;
+  void pack_qt(const RowBlock& rb, float* qt) const {
+    const E* base = static_cast<const E*>(p_.q) + rb.b * p_.q_stride[0];
     const int64_t ld = plan_.rows_pad;
     std::memset(qt, 0, sizeof(float) * p_.D * ld);
-    for (int64_t hh = 0; hh < nh; ++hh) {
-      for (int64_t ii = 0; ii < nq; ++ii) {
-        const E* src = base + (h0 + hh) * p_.q_stride[1] + (i0 + ii) * p_.q_stride[2];
-        float* dst = qt + hh * nq + ii;
-        for (int64_t d = 0; d < p_.D; ++d) dst[d * ld] = Elem<T>::load(src[d * p_.q_stride[3]]) * scale;
-      }
+    for (int64_t r = 0; r < rb.rows; ++r) {
+      const E* src = base + (rb.h0 + r / rb.nq) * p_.q_stride[1] + (rb.i0 + r % rb.nq) * p_.q_stride[2];
+      for (int64_t d = 0; d < p_.D; ++d) qt[d * ld + r] = Elem<T>::load(src[d * p_.q_stride[3]]) * p_.scale;
     }
   }
 
@@ -159,13 +259,12 @@ class AttentionTask {
   }
 
   // The causal limit and the user mask on Sᵀ[j][r], as -inf or an additive bias.
-  void apply_masks(int64_t b, int64_t h0, int64_t i0, int64_t nq, int64_t rows, int64_t j0,
-                   int64_t bc, float* st) const {
-    const bool causal_cut = p_.causal && j0 + bc - 1 > i0 + p_.causal_offset;
+  void apply_masks(const RowBlock& rb, int64_t j0, int64_t bc, float* st) const {
+    const bool causal_cut = p_.causal && j0 + bc - 1 > rb.i0 + p_.causal_offset;
     if (!causal_cut && !p_.mask) return;
     const int64_t ld = plan_.rows_pad;
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t h = h0 + r / nq, i = i0 + r % nq;
+    for (int64_t r = 0; r < rb.rows; ++r) {
+      const int64_t h = rb.h0 + r / rb.nq, i = rb.i0 + r % rb.nq;
       int64_t visible = bc;  // keys j0 + [0, visible) pass the causal limit
       if (causal_cut) {
         const int64_t limit = i + p_.causal_offset - j0 + 1;
@@ -173,7 +272,7 @@ class AttentionTask {
       }
       for (int64_t jj = visible; jj < bc; ++jj) st[jj * ld + r] = -INFINITY;
       if (p_.mask) {
-        const int64_t row_off = b * p_.mask_stride[0] + h * p_.mask_stride[1] + i * p_.mask_stride[2];
+        const int64_t row_off = rb.b * p_.mask_stride[0] + h * p_.mask_stride[1] + i * p_.mask_stride[2];
         for (int64_t jj = 0; jj < visible; ++jj) {
           st[jj * ld + r] += load_mask(p_.mask_dtype, p_.mask, row_off + (j0 + jj) * p_.mask_stride[3]);
         }
@@ -183,15 +282,14 @@ class AttentionTask {
 
   // Zeroes dropped probabilities and scales kept ones by 1 / (1 - p); the row sums already
   // hold the undropped softmax, which normalises the output as in SDPA.
-  void apply_dropout(int64_t b, int64_t h0, int64_t i0, int64_t nq, int64_t rows, int64_t j0,
-                     int64_t bc, float* pt) const {
+  void apply_dropout(const RowBlock& rb, int64_t j0, int64_t bc, float* pt) const {
     const uint32_t threshold = detail::dropout_threshold(p_.dropout_p);
     const float keep_scale = 1.0f / (1.0f - p_.dropout_p);
     const int64_t ld = plan_.rows_pad;
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t h = h0 + r / nq, i = i0 + r % nq;
+    for (int64_t r = 0; r < rb.rows; ++r) {
+      const int64_t h = rb.h0 + r / rb.nq, i = rb.i0 + r % rb.nq;
       for (int64_t jj = 0; jj < bc; jj += 4) {  // j0 is a multiple of 4: one draw per 4 keys
-        const auto bits = detail::dropout_bits(p_.seed, b, h, i, j0 + jj);
+        const auto bits = detail::dropout_bits(p_.seed, rb.b, h, i, j0 + jj);
         for (int64_t k = 0; k < 4 && jj + k < bc; ++k) {
           float& pr = pt[(jj + k) * ld + r];
           pr = bits[k] >= threshold ? pr * keep_scale : 0.0f;
@@ -200,18 +298,19 @@ class AttentionTask {
     }
   }
 
-  void write_out(int64_t b, int64_t h0, int64_t i0, int64_t nq, int64_t rows, const Workspace& w) const {
+  // out = o / l in the output dtype, and lse = m + log(l) (-inf for rows that saw no key).
+  void write_out(const RowBlock& rb, const float* o_acc, const float* m, const float* ls) const {
     E* out = static_cast<E*>(p_.out);
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t h = h0 + r / nq, i = i0 + r % nq;
-      const float l = w.l[r];
+    for (int64_t r = 0; r < rb.rows; ++r) {
+      const int64_t h = rb.h0 + r / rb.nq, i = rb.i0 + r % rb.nq;
+      const float l = ls[r];
       const float inv = l > 0.0f ? 1.0f / l : (l == 0.0f ? 0.0f : l);  // l is NaN or >= 1
-      const float* o = w.o + r * plan_.dv_pad;
-      E* dst = out + b * p_.out_stride[0] + h * p_.out_stride[1] + i * p_.out_stride[2];
+      const float* o = o_acc + r * plan_.dv_pad;
+      E* dst = out + rb.b * p_.out_stride[0] + h * p_.out_stride[1] + i * p_.out_stride[2];
       for (int64_t d = 0; d < p_.Dv; ++d) dst[d * p_.out_stride[3]] = Elem<T>::store(o[d] * inv);
       if (p_.lse) {
-        p_.lse[b * p_.lse_stride[0] + h * p_.lse_stride[1] + i * p_.lse_stride[2]] =
-            l == 0.0f ? -INFINITY : w.m[r] + std::log(l);
+        p_.lse[rb.b * p_.lse_stride[0] + h * p_.lse_stride[1] + i * p_.lse_stride[2]] =
+            l == 0.0f ? -INFINITY : m[r] + std::log(l);
       }
     }
   }
@@ -231,15 +330,22 @@ struct AlignedBuffer {
 
 template <DType T>
 void run_attention(const AttentionParams& p) {
-  const Plan plan(p);
   const int threads = detail::num_threads();
+  const Plan plan(p);
   AlignedBuffer workspace(plan.workspace_floats * threads);
-  if (!workspace.data) throw std::bad_alloc();
+  AlignedBuffer partial(plan.partial_floats * plan.tasks);
+  if (!workspace.data || (plan.partial_floats && !partial.data)) throw std::bad_alloc();
   const AttentionTask<T> task(p, plan);
-  auto body = [&](int64_t t, int thread) {
-    task.run(t, workspace.data + plan.workspace_floats * thread);
+  auto attend = [&](int64_t t, int thread) {
+    task.run(t, workspace.data + plan.workspace_floats * thread, partial.data);
   };
-  detail::parallel_for(plan.tasks, threads, body);
+  detail::parallel_for(plan.tasks, threads, attend);
+  if (plan.kv_splits > 1) {
+    auto merge = [&](int64_t rb, int thread) {
+      task.merge(rb, workspace.data + plan.workspace_floats * thread, partial.data);
+    };
+    detail::parallel_for(plan.row_blocks, threads, merge);
+  }
 }
 
 void attention_fwd(const AttentionParams& p) {

@@ -51,12 +51,43 @@ struct Elem<DType::float16> {
   static uint16_t store(float x) { return float_to_float16(x); }
 };
 
+typedef uint16_t vhalf __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+
+// kLanes consecutive elements widened to float32.
+template <DType T>
+inline vfloat vload_as_float(const typename Elem<T>::type* p) {
+  if constexpr (T == DType::float32) {
+    return vload(p);
+  } else if constexpr (T == DType::bfloat16) {
+    vhalf h;
+    std::memcpy(&h, p, sizeof h);
+    return (vfloat)(__builtin_convertvector(h, vint) << 16);
+  } else {
+#if defined(ATTNKIT_ISA_avx512)
+    // Two 8-lane F16C conversions (GCC 12 warns inside _mm512_cvtph_ps).
+    typedef float v8 __attribute__((vector_size(32)));
+    const v8 lo = (v8)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const v8 hi = (v8)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#elif defined(ATTNKIT_ISA_avx2)
+    return (vfloat)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+    vfloat v;
+    for (int i = 0; i < kLanes; ++i) v[i] = Elem<T>::load(p[i]);
+    return v;
+#endif
+  }
+}
+
 // dst[i] = load(src[i * stride]) * scale for i < n.
 template <DType T>
 inline void load_row(const typename Elem<T>::type* src, int64_t stride, int64_t n, float scale,
                      float* dst) {
   if (stride == 1) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = Elem<T>::load(src[i]) * scale;
+    const vfloat vs = vbroadcast(scale);
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) vstore(dst + i, vload_as_float<T>(src + i) * vs);
+    for (; i < n; ++i) dst[i] = Elem<T>::load(src[i]) * scale;
   } else {
     for (int64_t i = 0; i < n; ++i) dst[i] = Elem<T>::load(src[i * stride]) * scale;
   }

@@ -55,9 +55,23 @@ inline float hmax(vfloat v) {
   return m;
 }
 inline float hsum(vfloat v) {
+#if defined(ATTNKIT_ISA_avx512) || defined(ATTNKIT_ISA_avx2)
+  // Halve with shuffles down to 4 lanes (GCC 12 warns inside _mm512_reduce_add_ps).
+#if defined(ATTNKIT_ISA_avx512)
+  typedef float v8 __attribute__((vector_size(32)));
+  const v8 w = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  const vfloat w = v;
+#endif
+  const __m128 h = (__m128)(__builtin_shufflevector(w, w, 0, 1, 2, 3) + __builtin_shufflevector(w, w, 4, 5, 6, 7));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+#else
   float s = 0.0f;
   for (int i = 0; i < kLanes; ++i) s += v[i];
   return s;
+#endif
 }
 
 // 2^x for x <= 0 (softmax exponents after max subtraction), relative error ~2 ulp.
