@@ -1,0 +1,87 @@
+"""Cases aimed at the tiled kernel's edges: key counts at the 64-key tile size ±1, query
+rows at the 48-row task size ±1, causal diagonals crossing tiles, GQA groups wider than a
+task (split into head chunks), masks that change exactly on tile borders, and decode
+(Sq = 1, long Skv) where the keys are split across tasks and the partial softmax states
+are merged."""
+
+import numpy as np
+import pytest
+
+import attnkit
+from conftest import DTYPES, assert_bits_equal, make_qkv
+from test_attention import run_checked
+
+KV_TILE = 64   # keys per tile (src/cpu/attention_fwd.cpp)
+ROW_TASK = 48  # query rows per task
+
+
+@pytest.mark.parametrize("Skv", [KV_TILE - 1, KV_TILE, KV_TILE + 1, 2 * KV_TILE - 1, 2 * KV_TILE + 1])
+@pytest.mark.parametrize("Sq", [1, ROW_TASK - 1, ROW_TASK, ROW_TASK + 1])
+@pytest.mark.parametrize("causal", [False, True, "bottom_right"])
+def test_tile_edges(rng, isa, Sq, Skv, causal):
+    q, k, v = make_qkv(rng, 1, 2, 1, Sq, Skv, 32, 16)
+    run_checked(q, k, v, dtype="float32", causal=causal, enable_gqa=True)
+
+
+@pytest.mark.parametrize("Hq,Hkv", [(64, 1), (96, 2), (20, 4), (48, 1), (49, 7)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gqa_groups_straddling_tasks(rng, Hq, Hkv, dtype):
+    """Groups of 16, 48, 64 or 5 heads: a task holds at most 48 rows, so big groups are
+    split into head chunks and small ones into position blocks that end mid-group."""
+    q, k, v = make_qkv(rng, 1, Hq, Hkv, 9, 70, 16, 24, dtype)
+    run_checked(q, k, v, dtype=dtype, causal="bottom_right", enable_gqa=True)
+
+
+@pytest.mark.parametrize("border", [KV_TILE - 1, KV_TILE, KV_TILE + 1])
+def test_mask_on_tile_borders(rng, isa, border):
+    """Keys visible only on one side of a tile border (both sides in turn), bool and float."""
+    Sq, Skv = 5, 3 * KV_TILE
+    q, k, v = make_qkv(rng, 2, 2, 2, Sq, Skv, 16, 16)
+    j = np.arange(Skv)
+    for keep in (j < border, j >= border):
+        run_checked(q, k, v, dtype="float32", mask=np.broadcast_to(keep, (Sq, Skv)).copy())
+        additive = np.where(keep, 0.0, -1e30).astype(np.float32)[None, None, None, :]
+        run_checked(q, k, v, dtype="float32", mask=additive)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Skv", [257, 1024, 1500, 4097])
+def test_decode_split_keys(rng, isa, dtype, Skv):
+    """Sq = 1 with long Skv: one row block per kv head, so the keys are split and merged."""
+    q, k, v = make_qkv(rng, 1, 8, 2, 1, Skv, 64, 64, dtype)
+    run_checked(q, k, v, dtype=dtype, enable_gqa=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_split_matches_unsplit(rng, dtype):
+    """The same query row computed with the keys split (B = 1: one row block) and unsplit
+    (B = 16: enough row blocks, no split) agrees within the float32 rounding of the merge."""
+    q1, k1, v1 = make_qkv(rng, 1, 4, 1, 1, 2048, 64, 64, dtype)
+    rep = lambda x: np.repeat(x, 16, axis=0)  # noqa: E731
+    split, lse_split = attnkit.attention(q1, k1, v1, enable_gqa=True, return_lse=True)
+    whole, lse_whole = attnkit.attention(rep(q1), rep(k1), rep(v1), enable_gqa=True, return_lse=True)
+    for b in range(16):  # every batch element of the unsplit run is the same computation
+        assert_bits_equal(whole[b], whole[0])
+    tol = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 8e-3}[dtype]
+    np.testing.assert_allclose(split[0].astype(np.float32), whole[0].astype(np.float32), atol=tol, rtol=tol)
+    np.testing.assert_allclose(lse_split[0], lse_whole[0], atol=1e-6, rtol=1e-6)
+
+
+def test_decode_split_bit_identical_across_threads(rng, restore_runtime):
+    q, k, v = make_qkv(rng, 1, 4, 1, 1, 3000, 64, 64)
+    runs = []
+    for n in (1, 2):
+        attnkit.set_num_threads(n)
+        runs.append(attnkit.attention(q, k, v, enable_gqa=True, dropout_p=0.2, seed=9))
+    assert_bits_equal(runs[0], runs[1])
+
+
+def test_decode_split_with_empty_splits(rng):
+    """A causal bottom-right decode row sees every key; a mask hiding all but the first few
+    keys leaves most splits with nothing visible (their state must merge as empty)."""
+    q, k, v = make_qkv(rng, 1, 2, 1, 1, 2048, 32, 32)
+    mask = np.zeros((1, 2048), dtype=bool)
+    mask[0, :3] = True
+    run_checked(q, k, v, dtype="float32", mask=mask, causal="bottom_right", enable_gqa=True)
+    mask[0, :] = False
+    run_checked(q, k, v, dtype="float32", mask=mask, enable_gqa=True)
