@@ -5,17 +5,15 @@ their element type: numpy cannot express bf16/fp8 natively, so ml_dtypes arrays 
 same-width integer views and the name carries the real type.
 """
 
+import functools
+import sys
+
 import numpy as np
 
 try:
     import ml_dtypes
 except ImportError:  # bf16/fp8 numpy arrays then cannot exist either
     ml_dtypes = None
-
-try:
-    import torch
-except ImportError:
-    torch = None
 
 _NUMPY_NAMES = {
     np.dtype(np.float32): "float32",
@@ -34,8 +32,18 @@ if ml_dtypes is not None:
 _NUMPY_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 _NUMPY_FROM_NAME = {name: dtype for dtype, name in _NUMPY_NAMES.items()}
 
-if torch is not None:
-    _TORCH_NAMES = {
+
+def _torch():
+    """torch if the process has imported it, else None. attnkit never imports torch itself
+    before a torch tensor reaches it: importing it costs seconds, and its OpenMP runtime
+    reads its settings (e.g. OMP_WAIT_POLICY) at that moment."""
+    return sys.modules.get("torch")
+
+
+@functools.cache
+def _torch_tables():
+    torch = _torch()
+    names = {
         torch.float32: "float32",
         torch.float16: "float16",
         torch.bfloat16: "bfloat16",
@@ -46,11 +54,12 @@ if torch is not None:
         torch.int32: "int32",
         torch.bool: "boolean",
     }
-    _TORCH_VIEW_AS_BYTES = {torch.float8_e4m3fn, torch.float8_e5m2, torch.bool}
-    _TORCH_FROM_NAME = {name: dtype for dtype, name in _TORCH_NAMES.items()}
+    as_bytes = {torch.float8_e4m3fn, torch.float8_e5m2, torch.bool}
+    return names, as_bytes, {name: dtype for dtype, name in names.items()}
 
 
 def is_torch(x) -> bool:
+    torch = _torch()
     return torch is not None and isinstance(x, torch.Tensor)
 
 
@@ -66,7 +75,7 @@ def kind_of(x, name: str) -> str:
 
 
 def dtype_name(x, name: str) -> str:
-    table = _TORCH_NAMES if is_torch(x) else _NUMPY_NAMES
+    table = _torch_tables()[0] if is_torch(x) else _NUMPY_NAMES
     try:
         return table[x.dtype]
     except KeyError:
@@ -78,8 +87,8 @@ def typed(x, name: str):
     dname = dtype_name(x, name)
     if is_torch(x):
         x = x.detach()
-        if x.dtype in _TORCH_VIEW_AS_BYTES:
-            x = x.view(torch.uint8)
+        if x.dtype in _torch_tables()[1]:
+            x = x.view(_torch().uint8)
         return x, dname
     if dname in ("bfloat16", "float8_e4m3fn", "float8_e5m2", "boolean"):
         x = x.view(_NUMPY_BITS[x.dtype.itemsize])
@@ -100,5 +109,5 @@ def typed_or_none(x, name: str):
 def empty_like_kind(kind: str, shape, dtype_name_: str):
     """A new uninitialised array of the given kind, shape and attnkit dtype name."""
     if kind == "torch":
-        return torch.empty(shape, dtype=_TORCH_FROM_NAME[dtype_name_])
+        return _torch().empty(shape, dtype=_torch_tables()[2][dtype_name_])
     return np.empty(shape, dtype=_NUMPY_FROM_NAME[dtype_name_])

@@ -1,4 +1,4 @@
-"""attnkit's benchmark tool: ``python -m attnkit.bench`` (see /work/shared/BENCH.md).
+"""attnkit's benchmark tool: ``python -m attnkit.bench`` (protocol: ../shared/BENCH.md).
 
 Each op (only ``attention`` so far) is an entry of :data:`registry.OPS` that knows its
 shapes, inputs, contenders (attnkit and its peers), reference check and FLOP count; the

@@ -75,7 +75,8 @@ class Machine:
         return (f"machine: {self.model}, {self.cores} cores, LLC {self.llc_bytes >> 20} MiB | "
                 f"isa {self.isa} (supported: {', '.join(self.supported_isas)}) | "
                 f"fp32 FMA peak GFLOP/s ({self.isa}): {peaks} | read GB/s: {bws} | "
-                f"attnkit {self.attnkit_version}, {self.torch_version}")
+                f"attnkit {self.attnkit_version}, {self.torch_version} "
+                f"(OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')})")
 
 
 def measure(threads: list, progress=None, machine: Machine = None) -> Machine:
