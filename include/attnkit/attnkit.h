@@ -5,4 +5,5 @@
 #include "attnkit/dtype.h"
 #include "attnkit/error.h"
 #include "attnkit/runtime.h"
+#include "attnkit/sparse_mla.h"
 #include "attnkit/tensor.h"

@@ -9,6 +9,7 @@ seed drawn at run time, never at trace time.
 import torch
 
 from .ops import attention_shapes, run_attention
+from .sparse_mla import run_sparse_mla
 
 _LIB = torch.library.Library("attnkit", "DEF")
 _ARGS = ("Tensor q, Tensor k, Tensor v, Tensor? attn_mask, int causal, float? scale, "
@@ -48,6 +49,37 @@ def _attention_out_impl(q, k, v, attn_mask, causal, scale, dropout_p, seed, enab
 def _attention_out_fake(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout,
                         out, lse):
     return None
+
+
+_SPARSE_ARGS = ("Tensor q, Tensor kv, Tensor indices, float sm_scale, int d_v, Tensor? q_scale, "
+                "Tensor? kv_scale, Tensor? attn_sink, Tensor? topk_length, Tensor(a!) out, "
+                "Tensor(b!) max_logits, Tensor(c!) lse")
+_LIB.define(f"sparse_mla_prefill_fwd({_SPARSE_ARGS}) -> ()")
+_LIB.define(f"sparse_mla_q8kv8_prefill_fwd({_SPARSE_ARGS}) -> ()")
+
+
+def _sparse_impl(strict):
+    def impl(q, kv, indices, sm_scale, d_v, q_scale, kv_scale, attn_sink, topk_length, out, max_logits,
+             lse):
+        run_sparse_mla(strict, q, kv, indices, sm_scale, d_v, q_scale, kv_scale, attn_sink,
+                       topk_length, out, max_logits, lse)
+    return impl
+
+
+def _sparse_fake(q, kv, indices, sm_scale, d_v, q_scale, kv_scale, attn_sink, topk_length, out,
+                 max_logits, lse):
+    return None
+
+
+for _name, _strict in (("sparse_mla_prefill_fwd", False), ("sparse_mla_q8kv8_prefill_fwd", True)):
+    _LIB.impl(_name, _sparse_impl(_strict), "CPU")
+    torch.library.register_fake(f"attnkit::{_name}", _sparse_fake, lib=_LIB)
+
+
+def sparse_mla(strict, *args):
+    """The torch path of the sparse MLA ops (arguments already checked for kind)."""
+    op = torch.ops.attnkit.sparse_mla_q8kv8_prefill_fwd if strict else torch.ops.attnkit.sparse_mla_prefill_fwd
+    op(*args)
 
 
 _LIB.impl("attention", _attention_impl, "CPU")

@@ -82,6 +82,39 @@ void attention(const InArray& q, const InArray& k, const InArray& v, const OutAr
   attnkit::attention(args);
 }
 
+attnkit::SparseMlaArgs sparse_mla_args(const InArray& q, const InArray& kv, const InArray& indices,
+                                        double sm_scale, int64_t d_v, const std::optional<InArray>& q_scale,
+                                        const std::optional<InArray>& kv_scale,
+                                        const std::optional<InArray>& attn_sink,
+                                        const std::optional<InArray>& topk_length, const OutArray& out,
+                                        const OutArray& max_logits, const OutArray& lse) {
+  attnkit::SparseMlaArgs args;
+  args.q = to_view(q, "q");
+  args.kv = to_view(kv, "kv");
+  args.indices = to_view(indices, "indices");
+  args.sm_scale = sm_scale;
+  args.d_v = d_v;
+  args.q_scale = to_view(q_scale, "q_scale");
+  args.kv_scale = to_view(kv_scale, "kv_scale");
+  args.attn_sink = to_view(attn_sink, "attn_sink");
+  args.topk_length = to_view(topk_length, "topk_length");
+  args.out = to_view(out, "out");
+  args.max_logits = to_view(max_logits, "max_logits");
+  args.lse = to_view(lse, "lse");
+  return args;
+}
+
+template <void (*Op)(const attnkit::SparseMlaArgs&)>
+void sparse_mla(const InArray& q, const InArray& kv, const InArray& indices, double sm_scale, int64_t d_v,
+                const std::optional<InArray>& q_scale, const std::optional<InArray>& kv_scale,
+                const std::optional<InArray>& attn_sink, const std::optional<InArray>& topk_length,
+                const OutArray& out, const OutArray& max_logits, const OutArray& lse) {
+  const attnkit::SparseMlaArgs args = sparse_mla_args(q, kv, indices, sm_scale, d_v, q_scale, kv_scale, attn_sink,
+                                                      topk_length, out, max_logits, lse);
+  nb::gil_scoped_release release;
+  Op(args);
+}
+
 void cast(const InArray& src, const OutArray& dst) {
   attnkit::TensorView s = to_view(src, "src"), d = to_view(dst, "dst");
   if (!s.is_contiguous() || !d.is_contiguous() || s.numel() != d.numel()) {
@@ -105,6 +138,12 @@ NB_MODULE(_C, m) {
         "attn_mask"_a.none(), "causal"_a, "scale"_a.none(), "dropout_p"_a, "seed"_a.none(),
         "enable_gqa"_a, "layout"_a);
   m.def("cast", &cast, "src"_a, "dst"_a);
+  m.def("sparse_mla_prefill_fwd", &sparse_mla<&attnkit::sparse_mla_prefill_fwd>, "q"_a, "kv"_a, "indices"_a,
+        "sm_scale"_a, "d_v"_a, "q_scale"_a.none(), "kv_scale"_a.none(), "attn_sink"_a.none(),
+        "topk_length"_a.none(), "out"_a, "max_logits"_a, "lse"_a);
+  m.def("sparse_mla_q8kv8_prefill_fwd", &sparse_mla<&attnkit::sparse_mla_q8kv8_prefill_fwd>, "q"_a, "kv"_a,
+        "indices"_a, "sm_scale"_a, "d_v"_a, "q_scale"_a.none(), "kv_scale"_a.none(), "attn_sink"_a.none(),
+        "topk_length"_a.none(), "out"_a, "max_logits"_a, "lse"_a);
   m.def("set_num_threads", &attnkit::set_num_threads, "n"_a);
   m.def("get_num_threads", &attnkit::get_num_threads);
   m.def("active_isa", &attnkit::active_isa);

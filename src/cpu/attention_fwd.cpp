@@ -13,9 +13,11 @@
 #include "core/philox.h"
 #include "core/thread_pool.h"
 #include "cpu/kernel_table.h"
+#include "cpu/kernels.h"
 #include "cpu/kernels/convert.h"
 #include "cpu/kernels/dot.h"
 #include "cpu/kernels/gemm.h"
+#include "cpu/kernels/workspace.h"
 #include "cpu/kernels/softmax.h"
 #include "ops/attention_params.h"
 
@@ -28,8 +30,6 @@ constexpr int64_t kMinParallelTasks = 16;  // fewer row blocks than this: split 
 // Query rows per task (heads of a group × positions): a multiple of 16 (the Kᵀ·Q tile's
 // columns) and of 6 (the P·V tile's rows on AVX-512), measured best of 48, 64 and 96.
 constexpr int64_t kRowTarget = 48;
-
-int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // How the work splits into tasks, and the per-thread workspace each task uses.
 struct Plan {
@@ -319,22 +319,12 @@ private:
   const Plan& plan_;
 };
 
-struct AlignedBuffer {
-  float* data;
-  explicit AlignedBuffer(int64_t floats)
-      : data(static_cast<float*>(std::aligned_alloc(64, round_up(floats * sizeof(float), 64)))) {}
-  ~AlignedBuffer() { std::free(data); }
-  AlignedBuffer(const AlignedBuffer&) = delete;
-  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
-};
-
 template <DType T>
 void run_attention(const AttentionParams& p) {
   const int threads = detail::num_threads();
   const Plan plan(p);
-  AlignedBuffer workspace(plan.workspace_floats * threads);
-  AlignedBuffer partial(plan.partial_floats * plan.tasks);
-  if (!workspace.data || (plan.partial_floats && !partial.data)) throw std::bad_alloc();
+  AlignedBuffer<float> workspace(plan.workspace_floats * threads);
+  AlignedBuffer<float> partial(plan.partial_floats * plan.tasks);
   const AttentionTask<T> task(p, plan);
   auto attend = [&](int64_t t, int thread) {
     task.run(t, workspace.data + plan.workspace_floats * thread, partial.data);
@@ -348,6 +338,8 @@ void run_attention(const AttentionParams& p) {
   }
 }
 
+}  // namespace
+
 void attention_fwd(const AttentionParams& p) {
   switch (p.dtype) {
     case DType::float16: return run_attention<DType::float16>(p);
@@ -355,11 +347,5 @@ void attention_fwd(const AttentionParams& p) {
     default: return run_attention<DType::float32>(p);
   }
 }
-
-}  // namespace
-
-#define ATTNKIT_STR2(x) #x
-#define ATTNKIT_STR(x) ATTNKIT_STR2(x)
-const KernelTable kernel_table = {ATTNKIT_STR(ATTNKIT_ISA), &attention_fwd};
 
 }  // namespace attnkit::cpu::ATTNKIT_ISA

@@ -7,6 +7,7 @@
 
 namespace attnkit {
 struct AttentionParams;
+struct SparseMlaParams;
 }
 
 namespace attnkit::cpu {
@@ -14,6 +15,7 @@ namespace attnkit::cpu {
 struct KernelTable {
   const char* isa;
   void (*attention_fwd)(const AttentionParams& params);
+  void (*sparse_mla_fwd)(const SparseMlaParams& params);
 };
 
 // Loops the benchmark uses to measure the machine (src/cpu/machine_probe.cpp).

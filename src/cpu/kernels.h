@@ -1,0 +1,12 @@
+// The op loops every ISA variant defines (in attnkit::cpu::<isa>), gathered into its
+// KernelTable by src/cpu/kernel_table.cpp.
+#pragma once
+
+#include "cpu/kernel_table.h"
+
+namespace attnkit::cpu::ATTNKIT_ISA {
+
+void attention_fwd(const AttentionParams& params);
+void sparse_mla_fwd(const SparseMlaParams& params);
+
+}  // namespace attnkit::cpu::ATTNKIT_ISA
