@@ -79,7 +79,9 @@ def dtype_name(x, name: str) -> str:
     try:
         return table[x.dtype]
     except KeyError:
-        raise ValueError(f"{name} has unsupported dtype {x.dtype}") from None
+        supported = ", ".join(sorted(set(table.values())))
+        raise ValueError(f"{name} has unsupported dtype {x.dtype}; attnkit takes {supported} "
+                         "(each op accepts a subset, named in its docstring)") from None
 
 
 def typed(x, name: str):

@@ -24,7 +24,7 @@
 namespace attnkit::cpu::ATTNKIT_ISA {
 namespace {
 
-constexpr int64_t kKvTile = 64;     // keys per tile
+constexpr int64_t kKvTile = 128;    // keys per tile (a multiple of 4: one dropout draw per 4 keys)
 constexpr int64_t kMinSplitTiles = 4;      // a kv split covers at least this many tiles
 constexpr int64_t kMinParallelTasks = 16;  // fewer row blocks than this: split the keys
 // Query rows per task (heads of a group × positions): a multiple of 16 (the Kᵀ·Q tile's
@@ -64,7 +64,7 @@ struct Plan {
     d_pad = round_up(p.D, kLanes);
     dv_pad = round_up(p.Dv, kLanes);
     row_dot = rows <= kMaxDotRows && 2 * rows <= kLanes;
-    k_in_place = p.k_stride[3] == 1 && (row_dot || p.dtype == DType::float32);
+    k_in_place = p.k_stride[3] == 1 && row_dot;
     v_in_place = p.dtype == DType::float32 && p.v_stride[3] == 1 && p.Dv == dv_pad;
     workspace_floats = d_pad * rows_pad            // Qᵀ (or Q rows), scaled
                        + rows_pad * dv_pad         // output accumulators
@@ -191,6 +191,7 @@ class AttentionTask {
     for (int64_t j0 = begin; j0 < end; j0 += kKvTile) {
       const int64_t bc = end - j0 < kKvTile ? end - j0 : kKvTile;
       const E* ksrc = kbase + j0 * p_.k_stride[2];
+      if (j0 + kKvTile < end) prefetch_tile(kbase, vbase, j0 + kKvTile, end);
       if (plan_.row_dot) {  // Sᵀ[j][r] = K[j] · Q[r]
         if (plan_.k_in_place) {
           dot_rows<T>(rb.rows, bc, p_.D, ksrc, p_.k_stride[2], w.qt, plan_.d_pad, w.st, ld);
@@ -223,6 +224,20 @@ class AttentionTask {
       }
       gemm<kTallRows, kTallVecs>(rb.rows, plan_.dv_pad, bc, w.st, 1, ld, v, ldv, w.o, plan_.dv_pad,
                                  true);  // O += P · V
+    }
+  }
+
+  // Asks the caches for the next tile's K and V rows while this tile computes: each task
+  // streams its kv head's keys from L3 once, and the hardware prefetchers stop at pages.
+  void prefetch_tile(const E* kbase, const E* vbase, int64_t j0, int64_t end) const {
+    const int64_t n = end - j0 < kKvTile ? end - j0 : kKvTile;
+    const int64_t k_bytes = p_.k_stride[3] == 1 ? p_.D * int64_t{sizeof(E)} : 1;
+    const int64_t v_bytes = p_.v_stride[3] == 1 ? p_.Dv * int64_t{sizeof(E)} : 1;
+    for (int64_t j = j0; j < j0 + n; ++j) {
+      const char* krow = reinterpret_cast<const char*>(kbase + j * p_.k_stride[2]);
+      const char* vrow = reinterpret_cast<const char*>(vbase + j * p_.v_stride[2]);
+      for (int64_t byte = 0; byte < k_bytes; byte += 64) __builtin_prefetch(krow + byte, 0, 1);
+      for (int64_t byte = 0; byte < v_bytes; byte += 64) __builtin_prefetch(vrow + byte, 0, 1);
     }
   }
 

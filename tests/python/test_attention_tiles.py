@@ -1,4 +1,4 @@
-"""Cases aimed at the tiled kernel's edges: key counts at the 64-key tile size ±1, query
+"""Cases aimed at the tiled kernel's edges: key counts at the 128-key tile size ±1, query
 rows at the 48-row task size ±1, causal diagonals crossing tiles, GQA groups wider than a
 task (split into head chunks), masks that change exactly on tile borders, and decode
 (Sq = 1, long Skv) where the keys are split across tasks and the partial softmax states
@@ -11,7 +11,7 @@ import attnkit
 from conftest import DTYPES, assert_bits_equal, make_qkv
 from test_attention import run_checked
 
-KV_TILE = 64   # keys per tile (src/cpu/attention_fwd.cpp)
+KV_TILE = 128  # keys per tile (src/cpu/attention_fwd.cpp)
 ROW_TASK = 48  # query rows per task
 
 
