@@ -3,7 +3,6 @@
 // dequantised to fp32 once per (query, tile) and shared by every head of the block as
 // both K (all d_qk columns) and V (the first d_v). Per tile: Sᵀ = KV · Qᵀ, the online
 // softmax, O += P · V, with the same micro-kernels as dense attention. Compiled per ISA.
-#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -23,16 +22,6 @@ namespace {
 constexpr int64_t kSlotTile = 64;   // gathered kv rows per tile
 constexpr int64_t kHeadBlock = 128; // heads per task (all of DeepSeek-V3.2's per rank)
 constexpr int64_t kMinTasks = 16;   // fewer (query, head block) tasks than this: smaller blocks
-
-// e4m3fn code -> float, exact (NaN codes give NaN).
-const std::array<float, 256>& fp8_table() {
-  static const std::array<float, 256> table = [] {
-    std::array<float, 256> t{};
-    for (int code = 0; code < 256; ++code) t[code] = float8_e4m3fn_to_float(static_cast<uint8_t>(code));
-    return t;
-  }();
-  return table;
-}
 
 struct Plan {
   int64_t head_block, head_blocks, tasks, rows_pad, d_pad, dv_pad, workspace_floats;
@@ -57,7 +46,7 @@ struct Plan {
 
 template <DType T>
 class SparseMlaTask {
-  using E = std::conditional_t<T == DType::bfloat16, uint16_t, uint8_t>;
+  using E = typename Elem<T>::type;
 
  public:
   SparseMlaTask(const SparseMlaParams& p, const Plan& plan) : p_(p), plan_(plan) {}
@@ -76,7 +65,7 @@ class SparseMlaTask {
     float* alpha = l + ld;
 
     const int64_t n_valid = list_valid_slots(s, slots);
-    pack_qt(s, h0, nh, qt);
+    pack_qt(s, h0, nh, qt, kv);  // the kv tile is free until the first gather
     std::memset(o, 0, sizeof(float) * nh * plan_.dv_pad);
     for (int64_t r = 0; r < ld; ++r) m[r] = -INFINITY, l[r] = 0.0f;
     for (int64_t t0 = 0; t0 < n_valid; t0 += kSlotTile) {
@@ -111,23 +100,16 @@ class SparseMlaTask {
     return n;
   }
 
-  static float load(E x) {
-    if constexpr (T == DType::bfloat16) {
-      return Elem<DType::bfloat16>::load(x);
-    } else {
-      return fp8_table()[x];
-    }
-  }
-
   // Qᵀ [d_qk][rows_pad] of heads h0 .. h0+nh-1, dequantised and scaled by sm_scale ·
   // q_scale · kv_scale so that Sᵀ holds the logits; padding heads are zero.
-  void pack_qt(int64_t s, int64_t h0, int64_t nh, float* qt) const {
+  // `row` is scratch for one dequantised row (vector conversion, then a transposed copy).
+  void pack_qt(int64_t s, int64_t h0, int64_t nh, float* qt, float* row) const {
     const int64_t ld = plan_.rows_pad;
     std::memset(qt, 0, sizeof(float) * p_.d_qk * ld);
     const E* base = static_cast<const E*>(p_.q) + s * p_.q_stride[0];
     for (int64_t r = 0; r < nh; ++r) {
-      const E* src = base + (h0 + r) * p_.q_stride[1];
-      for (int64_t d = 0; d < p_.d_qk; ++d) qt[d * ld + r] = load(src[d * p_.q_stride[2]]) * p_.logit_scale;
+      load_row<T>(base + (h0 + r) * p_.q_stride[1], p_.q_stride[2], p_.d_qk, p_.logit_scale, row);
+      for (int64_t d = 0; d < p_.d_qk; ++d) qt[d * ld + r] = row[d];
     }
   }
 
@@ -138,12 +120,7 @@ class SparseMlaTask {
     for (int64_t j = 0; j < n; ++j) {
       const E* src = base + int64_t{slots[j]} * p_.kv_stride[0];
       float* dst = kv + j * plan_.d_pad;
-      if constexpr (T == DType::bfloat16) {
-        load_row<DType::bfloat16>(src, p_.kv_stride[1], p_.d_qk, 1.0f, dst);
-      } else {
-        const float* table = fp8_table().data();
-        for (int64_t d = 0; d < p_.d_qk; ++d) dst[d] = table[src[d * p_.kv_stride[1]]];
-      }
+      load_row<T>(src, p_.kv_stride[1], p_.d_qk, 1.0f, dst);
       for (int64_t d = p_.d_qk; d < plan_.d_pad; ++d) dst[d] = 0.0f;
     }
   }

@@ -4,11 +4,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "attnkit/runtime.h"
+#include "attnkit/dtype.h"
+#include "cpu/kernels/convert.h"
 #include "cpu/kernels/gemm.h"
 #include "cpu/kernels/simd.h"
 #include "cpu/kernels/softmax.h"
@@ -127,6 +130,36 @@ ISA_TEST(OnlineSoftmax, TwoTilesEqualOneSoftmax) {
     }
   }
   EXPECT_EQ(t[5 * ld + 1], 0.0f);
+}
+
+// The vector widening loads agree bit for bit with the scalar conversions of
+// attnkit/dtype.h, for every code of each narrow type (NaN for NaN).
+template <DType T, class Bits>
+void check_vector_loads(int codes, float (*scalar)(Bits)) {
+  std::vector<Bits> src(codes + kLanes);
+  for (int c = 0; c < codes + kLanes; ++c) src[c] = static_cast<Bits>(c % codes);
+  for (int c = 0; c < codes; c += kLanes) {
+    const vfloat v = vload_as_float<T>(src.data() + c);
+    for (int i = 0; i < kLanes; ++i) {
+      const float want = scalar(src[c + i]);
+      if (std::isnan(want)) {
+        ASSERT_TRUE(std::isnan(v[i])) << "code " << c + i;
+      } else {
+        uint32_t got_bits, want_bits;
+        const float got = v[i];
+        std::memcpy(&got_bits, &got, 4);
+        std::memcpy(&want_bits, &want, 4);
+        ASSERT_EQ(got_bits, want_bits) << "code " << c + i;
+      }
+    }
+  }
+}
+
+ISA_TEST(Convert, VectorLoadsMatchScalarConversions) {
+  SKIP_UNLESS_RUNNABLE();
+  check_vector_loads<DType::float8_e4m3fn, uint8_t>(256, &float8_e4m3fn_to_float);
+  check_vector_loads<DType::bfloat16, uint16_t>(65536, &bfloat16_to_float);
+  check_vector_loads<DType::float16, uint16_t>(65536, &float16_to_float);
 }
 
 }  // namespace

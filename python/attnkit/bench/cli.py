@@ -47,18 +47,22 @@ def build_parser(ops) -> argparse.ArgumentParser:
         epilog="Shapes (attention): A (causal prefill B=1 Hq=32 Hkv=8 S=2048 D=128), A' / Ap "
                "(same, non-causal), V (B=1 H=24 S=4608 D=128, bf16), Dc (decode Sq=1 Skv=8192), "
                "or custom, e.g. \"B=1,Hq=32,Hkv=8,S=2048,D=128,causal\" (keys B Hq Hkv H S Sq "
-               "Skv D Dv, flag causal; may start from a named shape: \"A,S=4096\").")
+               "Skv D Dv, flag causal; may start from a named shape: \"A,S=4096\"). "
+               "Shapes (sparse_mla): B (s_q=1024 h_q=128 d_qk=576 d_v=512 topk=2048 s_kv=8192; fp8, "
+               "bf16) or custom, e.g. \"B,s_q=128\" (keys s_q h_q d_qk d_v topk s_kv; missing keys as in B).")
     p.add_argument("--op", default="attention", choices=sorted(ops),
                    help="op to benchmark (default: attention)")
     p.add_argument("--shape", action="append", metavar="SHAPE",
                    help="named or custom shape; repeatable (default: the op's reference shapes)")
     p.add_argument("--dtype", action="append", metavar="DTYPE",
-                   help="float32 | bfloat16 | float16; repeatable or comma-separated "
-                        "(default: per shape, as in BENCH.md)")
+                   help="attention: float32 | bfloat16 | float16; sparse_mla: fp8 (float8_e4m3fn, "
+                        "q8kv8) | bfloat16; repeatable or comma-separated (default: per shape, "
+                        "as in BENCH.md)")
     p.add_argument("--threads", action="append", metavar="N[,N...]",
                    help="thread counts (default: 1 and all cores)")
     p.add_argument("--quick", action="store_true",
-                   help="sequence lengths / 4 and fewer repeats (the default run in < 1 min)")
+                   help="sequence lengths / 4 (sparse_mla: s_q at most 32) and fewer repeats (the "
+                        "default run in < 1 min)")
     p.add_argument("--repeats", type=int, help="timed rounds (default: 7, quick: 3)")
     p.add_argument("--warmup", type=int, help="untimed rounds after verification (default: 1, "
                                               "quick: 0)")
@@ -89,14 +93,16 @@ def main(argv=None) -> int:
         return 0
 
     from .attention_op import DTYPE_ALIASES
+    aliases = getattr(op, "dtype_aliases", None) or DTYPE_ALIASES  # an op may take its own
     requested = None
     if args.dtype:
         requested = []
         for d in _split(args.dtype):
-            if d.lower() not in DTYPE_ALIASES:
-                parser.error(f"--dtype: unknown dtype {d!r} (float32, bfloat16, float16)")
-            if DTYPE_ALIASES[d.lower()] not in requested:
-                requested.append(DTYPE_ALIASES[d.lower()])
+            if d.lower() not in aliases:
+                known = ", ".join(dict.fromkeys(aliases.values()))
+                parser.error(f"--dtype: unknown dtype {d!r} for --op {op.name} ({known})")
+            if aliases[d.lower()] not in requested:
+                requested.append(aliases[d.lower()])
 
     try:
         shapes = [op.parse_shape(s) for s in (args.shape or op.default_shape_names())]
@@ -152,9 +158,10 @@ def main(argv=None) -> int:
         r.peak_gflops, r.read_gbs = mach.peak_gflops[r.threads], mach.read_gbs[r.threads]
     elapsed = time.perf_counter() - t0
 
+    quick = f", quick ({getattr(op, 'quick_note', 'sequence lengths / 4')})" if args.quick else ""
     print(mach.line() + " (best of before/after the run)")
     print(f"op {op.name}: {len(cases)} case(s), threads {', '.join(map(str, threads))}"
-          f"{', quick (sequence lengths / 4)' if args.quick else ''}; median of "
+          f"{quick}; median of "
           f"{settings.repeats} interleaved rounds (fewer where the budget is short); "
           f"ratio = contender time / attnkit time (>1: attnkit faster); % peak of the fp32 FMA "
           f"peak measured above for the same thread count")

@@ -118,4 +118,5 @@ def register(op: BenchOp) -> BenchOp:
 
 def load_ops() -> dict:
     from . import attention_op  # noqa: F401  (registers "attention")
+    from . import sparse_mla_op  # noqa: F401  (registers "sparse_mla")
     return OPS

@@ -51,7 +51,14 @@ struct Elem<DType::float16> {
   static uint16_t store(float x) { return float_to_float16(x); }
 };
 
+template <>
+struct Elem<DType::float8_e4m3fn> {
+  using type = uint8_t;
+  static float load(uint8_t x) { return float8_e4m3fn_to_float(x); }
+};
+
 typedef uint16_t vhalf __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint8_t vbyte __attribute__((vector_size(kLanes)));
 
 // kLanes consecutive elements widened to float32.
 template <DType T>
@@ -62,6 +69,27 @@ inline vfloat vload_as_float(const typename Elem<T>::type* p) {
     vhalf h;
     std::memcpy(&h, p, sizeof h);
     return (vfloat)(__builtin_convertvector(h, vint) << 16);
+  } else if constexpr (T == DType::float8_e4m3fn) {
+    // Exponent and mantissa moved into float32's fields, then rebiased (7 -> 127) by an
+    // exact multiply by 2^120; e4m3fn subnormals land on float32 subnormals, so this is
+    // exact as long as denormals are not flushed (the default). 0x7F/0xFF are NaN.
+#if defined(ATTNKIT_ISA_avx512)
+    // Two 8-lane widenings (GCC 12 warns inside _mm512_cvtepu8_epi32).
+    typedef int32_t v8i __attribute__((vector_size(32)));
+    const v8i lo = (v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const v8i hi = (v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+    const vint x = __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#elif defined(ATTNKIT_ISA_avx2)
+    const vint x = (vint)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#else
+    vbyte b;  // GCC widens this lane by lane; the intrinsics above are one instruction
+    std::memcpy(&b, p, sizeof b);
+    const vint x = __builtin_convertvector(b, vint);
+#endif
+    const vint magnitude = x & 0x7F;
+    vfloat f = (vfloat)(magnitude << 20) * 0x1p120f;
+    f = (vfloat)((vint)f | ((x & 0x80) << 24));
+    return magnitude == 0x7F ? vbroadcast(__builtin_nanf("")) : f;
   } else {
 #if defined(ATTNKIT_ISA_avx512)
     // Two 8-lane F16C conversions (GCC 12 warns inside _mm512_cvtph_ps).
