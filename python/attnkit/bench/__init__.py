@@ -1,6 +1,6 @@
 """attnkit's benchmark tool: ``python -m attnkit.bench`` (protocol: ../shared/BENCH.md).
 
-Each op (only ``attention`` so far) is an entry of :data:`registry.OPS` that knows its
+Each op (``attention``, ``sparse_mla``) is an entry of :data:`registry.OPS` that knows its
 shapes, inputs, contenders (attnkit and its peers), reference check and FLOP count; the
 driver in :mod:`attnkit.bench.runner` verifies every contender first, then times them
 interleaved and reports ratios against attnkit.
