@@ -11,7 +11,9 @@ void set_num_threads(int n);
 int get_num_threads();
 
 // Kernel variants by instruction set. The best one this CPU supports is chosen at load;
-// ATTNKIT_ISA=avx512|avx2|generic overrides it, and so does set_isa.
+// ATTNKIT_ISA=avx512bf16|avx512|avx2|generic overrides it, and so does set_isa.
+// avx512bf16 differs from avx512 only for bf16 attention, whose Q·Kᵀ it computes with
+// vdpbf16ps (exact bf16 products, fp32 sums); P·V stays in fp32 as everywhere else.
 std::string active_isa();
 std::vector<std::string> supported_isas();  // built and runnable here, best first
 void set_isa(const std::string& name);       // throws Error if not supported here

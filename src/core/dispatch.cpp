@@ -24,6 +24,14 @@ bool cpu_has(const char* feature);
 // Best first.
 const std::vector<Variant>& variants() {
   static const std::vector<Variant> all = {
+#if ATTNKIT_HAVE_AVX512BF16
+      {&cpu::avx512bf16::kernel_table, &cpu::avx512bf16::probe_table,
+       [] {
+         return cpu_has("avx512f") && cpu_has("avx512bw") && cpu_has("avx512vl") &&
+                cpu_has("avx512dq") && cpu_has("avx2") && cpu_has("fma") && cpu_has("f16c") &&
+                cpu_has("bmi2") && cpu_has("avx512bf16");
+       }},
+#endif
 #if ATTNKIT_HAVE_AVX512
       {&cpu::avx512::kernel_table, &cpu::avx512::probe_table,
        [] {

@@ -17,6 +17,7 @@
 #include "cpu/kernels/convert.h"
 #include "cpu/kernels/dot.h"
 #include "cpu/kernels/gemm.h"
+#include "cpu/kernels/gemm_bf16.h"
 #include "cpu/kernels/workspace.h"
 #include "cpu/kernels/softmax.h"
 #include "ops/attention_params.h"
@@ -37,6 +38,7 @@ struct Plan {
   int64_t kv_splits, kv_split_len, tasks;  // tasks = row_blocks * kv_splits
   int64_t rows_pad, d_pad, dv_pad, workspace_floats, partial_floats;
   bool row_dot;                 // few rows: dot each key with each row (no row padding)
+  bool bf16_dot;                // bf16 inputs on avx512bf16: K·Qᵀ with vdpbf16ps
   bool k_in_place, v_in_place;  // fp32 rows with unit stride need no packing
 
   explicit Plan(const AttentionParams& p) {
@@ -64,6 +66,11 @@ struct Plan {
     d_pad = round_up(p.D, kLanes);
     dv_pad = round_up(p.Dv, kLanes);
     row_dot = rows <= kMaxDotRows && 2 * rows <= kLanes;
+#if defined(ATTNKIT_ISA_avx512bf16)
+    bf16_dot = p.dtype == DType::bfloat16 && !row_dot;
+#else
+    bf16_dot = false;
+#endif
     k_in_place = p.k_stride[3] == 1 && row_dot;
     v_in_place = p.dtype == DType::float32 && p.v_stride[3] == 1 && p.Dv == dv_pad;
     workspace_floats = d_pad * rows_pad            // Qᵀ (or Q rows), scaled
@@ -180,6 +187,8 @@ class AttentionTask {
     const int64_t ld = plan_.rows_pad;
     if (plan_.row_dot) {
       pack_q_rows(rb, w.qt);
+    } else if (plan_.bf16_dot) {
+      pack_qt_pairs(rb, reinterpret_cast<uint32_t*>(w.qt));
     } else {
       pack_qt(rb, w.qt);
     }
@@ -199,6 +208,8 @@ class AttentionTask {
           pack_rows(ksrc, p_.k_stride[2], p_.k_stride[3], bc, p_.D, p_.D, w.k);
           dot_rows<DType::float32>(rb.rows, bc, p_.D, w.k, p_.D, w.qt, plan_.d_pad, w.st, ld);
         }
+      } else if (plan_.bf16_dot) {  // Sᵀ = K · Qᵀ on bf16 pairs, then the scale
+        qk_bf16(ksrc, bc, w);
       } else {  // Sᵀ = K · Qᵀ
         const float* k = w.k;
         int64_t ldk = p_.D;
@@ -240,6 +251,44 @@ class AttentionTask {
       for (int64_t byte = 0; byte < v_bytes; byte += 64) __builtin_prefetch(vrow + byte, 0, 1);
     }
   }
+
+#if defined(ATTNKIT_ISA_avx512bf16)
+  static uint32_t pair(uint16_t lo, uint16_t hi) { return uint32_t{lo} | uint32_t{hi} << 16; }
+
+  // Qᵀ as bf16 pairs along D: qtp[p][r] = (q[r][2p], q[r][2p+1]), unscaled (the scale is
+  // applied to the fp32 scores); odd D ends with a zero.
+  void pack_qt_pairs(const RowBlock& rb, uint32_t* qtp) const {
+    const uint16_t* base = static_cast<const uint16_t*>(p_.q) + rb.b * p_.q_stride[0];
+    const int64_t ld = plan_.rows_pad, pairs = (p_.D + 1) / 2;
+    std::memset(qtp, 0, sizeof(uint32_t) * pairs * ld);
+    for (int64_t r = 0; r < rb.rows; ++r) {
+      const uint16_t* src = base + (rb.h0 + r / rb.nq) * p_.q_stride[1] + (rb.i0 + r % rb.nq) * p_.q_stride[2];
+      for (int64_t d = 0; d < p_.D; d += 2) {
+        qtp[d / 2 * ld + r] = pair(src[d * p_.q_stride[3]], d + 1 < p_.D ? src[(d + 1) * p_.q_stride[3]] : 0);
+      }
+    }
+  }
+
+  // Sᵀ = K · Qᵀ with K rows copied as bf16 pairs (no conversion), then Sᵀ *= scale.
+  void qk_bf16(const E* ksrc, int64_t bc, const Workspace& w) const {
+    const int64_t pairs = (p_.D + 1) / 2, ld = plan_.rows_pad;
+    uint32_t* kp = reinterpret_cast<uint32_t*>(w.k);
+    for (int64_t j = 0; j < bc; ++j) {
+      const E* row = ksrc + j * p_.k_stride[2];
+      for (int64_t d = 0; d < p_.D; d += 2) {
+        kp[j * pairs + d / 2] = pair(row[d * p_.k_stride[3]], d + 1 < p_.D ? row[(d + 1) * p_.k_stride[3]] : 0);
+      }
+    }
+    gemm_bf16<kWideRows, kWideVecs>(bc, ld, pairs, kp, pairs, 1, reinterpret_cast<const uint32_t*>(w.qt), ld,
+                                    w.st, ld, false);
+    const vfloat scale = vbroadcast(p_.scale);
+    for (int64_t i = 0; i < bc * ld; i += kLanes) vstore(w.st + i, vload(w.st + i) * scale);
+  }
+
+#else
+  void pack_qt_pairs(const RowBlock&, uint32_t*) const {}
+  void qk_bf16(const E*, int64_t, const Workspace&) const {}
+#endif
 
   // Q rows [rows][d_pad], pre-multiplied by the softmax scale, zero-padded (row-dot path).
   void pack_q_rows(const RowBlock& rb, float* q) const {

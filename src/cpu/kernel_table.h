@@ -33,6 +33,7 @@ struct ProbeTable {
 ATTNKIT_DECLARE_ISA(generic)
 ATTNKIT_DECLARE_ISA(avx2)
 ATTNKIT_DECLARE_ISA(avx512)
+ATTNKIT_DECLARE_ISA(avx512bf16)
 #undef ATTNKIT_DECLARE_ISA
 
 }  // namespace attnkit::cpu

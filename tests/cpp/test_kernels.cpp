@@ -13,6 +13,7 @@
 #include "attnkit/dtype.h"
 #include "cpu/kernels/convert.h"
 #include "cpu/kernels/gemm.h"
+#include "cpu/kernels/gemm_bf16.h"
 #include "cpu/kernels/simd.h"
 #include "cpu/kernels/softmax.h"
 
@@ -161,6 +162,42 @@ ISA_TEST(Convert, VectorLoadsMatchScalarConversions) {
   check_vector_loads<DType::bfloat16, uint16_t>(65536, &bfloat16_to_float);
   check_vector_loads<DType::float16, uint16_t>(65536, &float16_to_float);
 }
+
+#if defined(ATTNKIT_ISA_avx512bf16)
+// vdpbf16ps tiles: bf16 pairs along k, products exact, sums in fp32.
+ISA_TEST(GemmBf16, MatchesFloat64Reference) {
+  SKIP_UNLESS_RUNNABLE();
+  std::mt19937 gen(5);
+  std::normal_distribution<float> dist;
+  auto bf16 = [&] { return float_to_bfloat16(dist(gen)); };
+  for (int64_t m : {1, 3, 4, 9}) {
+    for (int64_t n : {16, 48, 112}) {
+      for (int64_t pairs : {1, 5, 64}) {
+        const int64_t lda = pairs + 1, ldb = n + 16, ldc = n;
+        std::vector<uint32_t> a(m * lda), b(pairs * ldb);
+        for (auto& x : a) x = bf16() | uint32_t{bf16()} << 16;
+        for (auto& x : b) x = bf16() | uint32_t{bf16()} << 16;
+        std::vector<float> c(m * ldc, NAN);
+        gemm_bf16<kWideRows, kWideVecs>(m, n, pairs, a.data(), lda, 1, b.data(), ldb, c.data(), ldc, false);
+        for (int64_t i = 0; i < m; ++i) {
+          for (int64_t j = 0; j < n; ++j) {
+            double ref = 0.0, mag = 0.0;
+            for (int64_t p = 0; p < pairs; ++p) {
+              const uint32_t x = a[i * lda + p], y = b[p * ldb + j];
+              for (int half = 0; half < 2; ++half) {
+                const double prod = double(bfloat16_to_float(uint16_t(x >> (16 * half)))) *
+                                    bfloat16_to_float(uint16_t(y >> (16 * half)));
+                ref += prod, mag += std::fabs(prod);
+              }
+            }
+            ASSERT_NEAR(c[i * ldc + j], ref, 1e-6 * (mag + 1)) << "m=" << m << " n=" << n << " pairs=" << pairs;
+          }
+        }
+      }
+    }
+  }
+}
+#endif
 
 }  // namespace
 }  // namespace attnkit::cpu::ATTNKIT_ISA
