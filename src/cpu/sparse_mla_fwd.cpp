@@ -12,6 +12,7 @@
 #include "cpu/kernels.h"
 #include "cpu/kernels/convert.h"
 #include "cpu/kernels/gemm.h"
+#include "cpu/kernels/gemm_bf16.h"
 #include "cpu/kernels/softmax.h"
 #include "cpu/kernels/workspace.h"
 #include "ops/sparse_mla_params.h"
@@ -22,9 +23,16 @@ namespace {
 constexpr int64_t kSlotTile = 64;   // gathered kv rows per tile
 constexpr int64_t kHeadBlock = 128; // heads per task (all of DeepSeek-V3.2's per rank)
 constexpr int64_t kMinTasks = 16;   // fewer (query, head block) tasks than this: smaller blocks
+// On avx512bf16, Sᵀ = KV · Qᵀ runs on bf16 pairs with vdpbf16ps: bf16 and fp8 values are
+// exact in bf16, so the products are exact and only the fp32 summation order changes.
+#if defined(ATTNKIT_ISA_avx512bf16)
+constexpr bool kBf16Dot = true;
+#else
+constexpr bool kBf16Dot = false;
+#endif
 
 struct Plan {
-  int64_t head_block, head_blocks, tasks, rows_pad, d_pad, dv_pad, workspace_floats;
+  int64_t head_block, head_blocks, tasks, rows_pad, d_pad, dv_pad, d_pairs, workspace_floats;
 
   explicit Plan(const SparseMlaParams& p) {
     head_block = p.h_q < kHeadBlock ? p.h_q : kHeadBlock;
@@ -36,10 +44,12 @@ struct Plan {
     rows_pad = round_up(head_block, kLanes);
     d_pad = round_up(p.d_qk, kLanes);
     dv_pad = round_up(p.d_v, kLanes);  // <= d_pad: V columns are read from the kv tile
+    d_pairs = (p.d_qk + 1) / 2;
     workspace_floats = p.d_qk * rows_pad       // Qᵀ, scaled
                        + rows_pad * dv_pad     // output accumulators
                        + kSlotTile * rows_pad  // Sᵀ, then Pᵀ
                        + kSlotTile * d_pad     // gathered, dequantised kv rows
+                       + (kBf16Dot ? kSlotTile * d_pairs : 0)  // the same rows as bf16 pairs
                        + 3 * rows_pad;         // running max, sum, rescale factors
   }
 };
@@ -63,6 +73,7 @@ class SparseMlaTask {
     float* m = kv + kSlotTile * plan_.d_pad;
     float* l = m + ld;
     float* alpha = l + ld;
+    uint32_t* kv_pairs = reinterpret_cast<uint32_t*>(alpha + ld);
 
     const int64_t n_valid = list_valid_slots(s, slots);
     pack_qt(s, h0, nh, qt, kv);  // the kv tile is free until the first gather
@@ -70,8 +81,15 @@ class SparseMlaTask {
     for (int64_t r = 0; r < ld; ++r) m[r] = -INFINITY, l[r] = 0.0f;
     for (int64_t t0 = 0; t0 < n_valid; t0 += kSlotTile) {
       const int64_t bc = n_valid - t0 < kSlotTile ? n_valid - t0 : kSlotTile;
-      gather_rows(slots + t0, bc, kv);
-      gemm<kWideRows, kTallVecs>(bc, ld, p_.d_qk, kv, plan_.d_pad, 1, qt, ld, st, ld, false);  // Sᵀ = KV·Qᵀ
+      gather_rows(slots + t0, bc, kv, kv_pairs);
+#if defined(ATTNKIT_ISA_avx512bf16)  // Sᵀ = KV · Qᵀ on exact bf16 pairs, then the logit scale
+      gemm_bf16<kWideRows, kTallVecs>(bc, ld, plan_.d_pairs, kv_pairs, plan_.d_pairs, 1,
+                                      reinterpret_cast<const uint32_t*>(qt), ld, st, ld, false);
+      const vfloat scale = vbroadcast(p_.logit_scale);
+      for (int64_t i = 0; i < bc * ld; i += kLanes) vstore(st + i, vload(st + i) * scale);
+#else  // Sᵀ = KV · Qᵀ
+      gemm<kWideRows, kTallVecs>(bc, ld, p_.d_qk, kv, plan_.d_pad, 1, qt, ld, st, ld, false);
+#endif
       online_softmax_tile(st, bc, ld, ld, m, l, alpha);
       for (int64_t r = 0; r < nh; ++r) {
         if (alpha[r] != 1.0f) scale_row(o + r * plan_.dv_pad, plan_.dv_pad, alpha[r]);
@@ -103,25 +121,50 @@ class SparseMlaTask {
   // Qᵀ [d_qk][rows_pad] of heads h0 .. h0+nh-1, dequantised and scaled by sm_scale ·
   // q_scale · kv_scale so that Sᵀ holds the logits; padding heads are zero.
   // `row` is scratch for one dequantised row (vector conversion, then a transposed copy).
+  // On the bf16-dot path Qᵀ holds unscaled bf16 pairs (exact) instead.
   void pack_qt(int64_t s, int64_t h0, int64_t nh, float* qt, float* row) const {
     const int64_t ld = plan_.rows_pad;
     std::memset(qt, 0, sizeof(float) * p_.d_qk * ld);
     const E* base = static_cast<const E*>(p_.q) + s * p_.q_stride[0];
     for (int64_t r = 0; r < nh; ++r) {
-      load_row<T>(base + (h0 + r) * p_.q_stride[1], p_.q_stride[2], p_.d_qk, p_.logit_scale, row);
-      for (int64_t d = 0; d < p_.d_qk; ++d) qt[d * ld + r] = row[d];
+      load_row<T>(base + (h0 + r) * p_.q_stride[1], p_.q_stride[2], p_.d_qk, kBf16Dot ? 1.0f : p_.logit_scale, row);
+      if constexpr (kBf16Dot) {
+        uint32_t* qtp = reinterpret_cast<uint32_t*>(qt);
+        for (int64_t d = 0; d < p_.d_qk; d += 2) {
+          qtp[d / 2 * ld + r] = bf16_bits(row[d]) | (d + 1 < p_.d_qk ? bf16_bits(row[d + 1]) << 16 : 0u);
+        }
+      } else {
+        for (int64_t d = 0; d < p_.d_qk; ++d) qt[d * ld + r] = row[d];
+      }
     }
+  }
+
+  // The top half of a float that is exactly a bf16 value (bf16 and fp8 inputs are).
+  static uint32_t bf16_bits(float x) {
+    uint32_t u;
+    std::memcpy(&u, &x, sizeof u);
+    return u >> 16;
   }
 
   // kv rows of the listed slots, dequantised (without kv_scale, applied to logits and
   // output instead), zero-padded to d_pad columns.
-  void gather_rows(const int32_t* slots, int64_t n, float* kv) const {
+  // On the bf16-dot path the rows are also written as bf16 pairs (kv_pairs [n][d_pairs]).
+  void gather_rows(const int32_t* slots, int64_t n, float* kv, uint32_t* kv_pairs) const {
     const E* base = static_cast<const E*>(p_.kv);
     for (int64_t j = 0; j < n; ++j) {
       const E* src = base + int64_t{slots[j]} * p_.kv_stride[0];
       float* dst = kv + j * plan_.d_pad;
       load_row<T>(src, p_.kv_stride[1], p_.d_qk, 1.0f, dst);
       for (int64_t d = p_.d_qk; d < plan_.d_pad; ++d) dst[d] = 0.0f;
+      if constexpr (kBf16Dot) {
+        uint16_t* pairs = reinterpret_cast<uint16_t*>(kv_pairs + j * plan_.d_pairs);
+        if (T == DType::bfloat16 && p_.kv_stride[1] == 1) {
+          std::memcpy(pairs, src, sizeof(uint16_t) * p_.d_qk);
+        } else {
+          for (int64_t d = 0; d < p_.d_qk; ++d) pairs[d] = static_cast<uint16_t>(bf16_bits(dst[d]));
+        }
+        if (p_.d_qk % 2) pairs[p_.d_qk] = 0;
+      }
     }
   }
 
