@@ -200,7 +200,6 @@ class AttentionTask {
     for (int64_t j0 = begin; j0 < end; j0 += kKvTile) {
       const int64_t bc = end - j0 < kKvTile ? end - j0 : kKvTile;
       const E* ksrc = kbase + j0 * p_.k_stride[2];
-      if (j0 + kKvTile < end) prefetch_tile(kbase, vbase, j0 + kKvTile, end);
       if (plan_.row_dot) {  // Sᵀ[j][r] = K[j] · Q[r]
         if (plan_.k_in_place) {
           dot_rows<T>(rb.rows, bc, p_.D, ksrc, p_.k_stride[2], w.qt, plan_.d_pad, w.st, ld);
@@ -235,20 +234,6 @@ class AttentionTask {
       }
       gemm<kTallRows, kTallVecs>(rb.rows, plan_.dv_pad, bc, w.st, 1, ld, v, ldv, w.o, plan_.dv_pad,
                                  true);  // O += P · V
-    }
-  }
-
-  // Asks the caches for the next tile's K and V rows while this tile computes: each task
-  // streams its kv head's keys from L3 once, and the hardware prefetchers stop at pages.
-  void prefetch_tile(const E* kbase, const E* vbase, int64_t j0, int64_t end) const {
-    const int64_t n = end - j0 < kKvTile ? end - j0 : kKvTile;
-    const int64_t k_bytes = p_.k_stride[3] == 1 ? p_.D * int64_t{sizeof(E)} : 1;
-    const int64_t v_bytes = p_.v_stride[3] == 1 ? p_.Dv * int64_t{sizeof(E)} : 1;
-    for (int64_t j = j0; j < j0 + n; ++j) {
-      const char* krow = reinterpret_cast<const char*>(kbase + j * p_.k_stride[2]);
-      const char* vrow = reinterpret_cast<const char*>(vbase + j * p_.v_stride[2]);
-      for (int64_t byte = 0; byte < k_bytes; byte += 64) __builtin_prefetch(krow + byte, 0, 1);
-      for (int64_t byte = 0; byte < v_bytes; byte += 64) __builtin_prefetch(vrow + byte, 0, 1);
     }
   }
 
@@ -317,6 +302,7 @@ private:
   static void pack_rows(const E* src, int64_t row_stride, int64_t col_stride, int64_t n, int64_t cols,
                         int64_t ld, float* dst) {
     for (int64_t j = 0; j < n; ++j) {
+      prefetch_bytes(src, (j + kPrefetchRows) * row_stride * int64_t{sizeof(E)}, cols * int64_t{sizeof(E)});
       load_row<T>(src + j * row_stride, col_stride, cols, 1.0f, dst + j * ld);
       for (int64_t c = cols; c < ld; ++c) dst[j * ld + c] = 0.0f;
     }

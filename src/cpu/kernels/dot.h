@@ -14,6 +14,7 @@
 namespace attnkit::cpu::ATTNKIT_ISA {
 
 inline constexpr int kMaxDotRows = 8;
+inline constexpr int64_t kPrefetchRows = 32;  // measured flat from 16 to 64 rows
 
 // c[j * ldc + r] = Σ_p a[j * lda + p] · b[r * ldb + p] for j < m, r < R, p < k. a rows
 // hold k elements of dtype T (unit stride); b rows are fp32.
@@ -23,6 +24,8 @@ void dot_rows(int64_t m, int64_t k, const typename Elem<T>::type* a, int64_t lda
   const int64_t k_vec = k / kLanes * kLanes;
   for (int64_t j = 0; j < m; ++j) {
     const typename Elem<T>::type* arow = a + j * lda;
+    // Decode streams K from memory: ask for the row kPrefetchRows ahead.
+    prefetch_bytes(arow, kPrefetchRows * lda * int64_t{sizeof(*arow)}, k * int64_t{sizeof(*arow)});
     vfloat acc[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[r] = vfloat{};

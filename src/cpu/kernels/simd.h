@@ -74,6 +74,14 @@ inline float hsum(vfloat v) {
 #endif
 }
 
+// Asks the caches for bytes [offset, offset + n) of the object at p, one prefetch per 64-byte
+// line. Prefetches never fault, so the range may lie past the end of an array; the address
+// is formed in integers for that reason.
+inline void prefetch_bytes(const void* p, int64_t offset, int64_t n) {
+  const uintptr_t base = reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(offset);
+  for (int64_t byte = 0; byte < n; byte += 64) __builtin_prefetch(reinterpret_cast<const void*>(base + byte));
+}
+
 // 2^x for x <= 0 (softmax exponents after max subtraction), relative error ~2 ulp.
 // x below -126 gives exactly 0 (so masked -inf scores vanish); NaN stays NaN.
 inline vfloat vexp2(vfloat x) {
