@@ -13,7 +13,7 @@ from typing import Optional
 
 import numpy as np
 
-from .registry import BenchOp, Case, Check, Contender, Counts, register
+from .registry import BenchOp, Case, Check, Contender, Counts, attnkit_contenders, register
 
 try:
     import ml_dtypes
@@ -351,25 +351,11 @@ class AttentionOp(BenchOp):
         s = case.shape
         causal, gqa = s.causal, s.gqa
         notes = []
-        best = attnkit.get_isa()
-        isas = attnkit.supported_isas()
 
         def run_attnkit(x):
             return attnkit.attention(x.q, x.k, x.v, causal=causal, enable_gqa=gqa)
 
-        out = [Contender("attnkit", "attnkit", run_attnkit,
-                         prepare=lambda: attnkit.set_isa(best),
-                         set_threads=attnkit.set_num_threads, note=f"isa {best}")]
-        if best == "generic":
-            notes.append("attnkit-generic: skipped (the active ISA is already generic)")
-        elif "generic" not in isas:
-            notes.append("attnkit-generic: skipped (not built)")
-        else:
-            out.append(Contender("attnkit-generic", "reference", run_attnkit,
-                                 prepare=lambda: attnkit.set_isa("generic"),
-                                 finish=lambda: attnkit.set_isa(best),
-                                 set_threads=attnkit.set_num_threads,
-                                 note="attnkit's portable kernel"))
+        out = attnkit_contenders(run_attnkit, notes)
         torch = _torch()
         if torch is None:
             notes.append("torch-sdpa: skipped (torch is not importable)")

@@ -120,3 +120,25 @@ def load_ops() -> dict:
     from . import attention_op  # noqa: F401  (registers "attention")
     from . import sparse_mla_op  # noqa: F401  (registers "sparse_mla")
     return OPS
+
+
+def attnkit_contenders(run, notes: list) -> list:
+    """attnkit on the best ISA (the contender ratios are against) and attnkit's portable
+    kernel as the reference peer, both computing `run(inputs)`; appends why the reference
+    is skipped to `notes`."""
+    import attnkit
+
+    best = attnkit.get_isa()
+    out = [Contender("attnkit", "attnkit", run, prepare=lambda: attnkit.set_isa(best),
+                     set_threads=attnkit.set_num_threads, note=f"isa {best}")]
+    if best == "generic":
+        notes.append("attnkit-generic: skipped (the active ISA is already generic)")
+    elif "generic" not in attnkit.supported_isas():
+        notes.append("attnkit-generic: skipped (not built)")
+    else:
+        out.append(Contender("attnkit-generic", "reference", run,
+                             prepare=lambda: attnkit.set_isa("generic"),
+                             finish=lambda: attnkit.set_isa(best),
+                             set_threads=attnkit.set_num_threads,
+                             note="attnkit's portable kernel"))
+    return out

@@ -17,7 +17,7 @@ from typing import Optional
 
 import numpy as np
 
-from .registry import BenchOp, Case, Check, Contender, Counts, register
+from .registry import BenchOp, Case, Check, Contender, Counts, attnkit_contenders, register
 
 try:
     import ml_dtypes
@@ -412,26 +412,12 @@ class SparseMlaOp(BenchOp):
         s = case.shape
         d_v = s.d_v
         notes = []
-        best = attnkit.get_isa()
-        isas = attnkit.supported_isas()
 
         def run_attnkit(x):
             return attnkit.sparse_mla_prefill_fwd(x.q, x.kv, x.indices, x.sm_scale, d_v,
                                                   q_scale=x.q_scale, kv_scale=x.kv_scale)
 
-        out = [Contender("attnkit", "attnkit", run_attnkit,
-                         prepare=lambda: attnkit.set_isa(best),
-                         set_threads=attnkit.set_num_threads, note=f"isa {best}")]
-        if best == "generic":
-            notes.append("attnkit-generic: skipped (the active ISA is already generic)")
-        elif "generic" not in isas:
-            notes.append("attnkit-generic: skipped (not built)")
-        else:
-            out.append(Contender("attnkit-generic", "reference", run_attnkit,
-                                 prepare=lambda: attnkit.set_isa("generic"),
-                                 finish=lambda: attnkit.set_isa(best),
-                                 set_threads=attnkit.set_num_threads,
-                                 note="attnkit's portable kernel"))
+        out = attnkit_contenders(run_attnkit, notes)
         torch = _torch()
         if torch is None:
             notes.append("torch-ref: skipped (torch is not importable)")
