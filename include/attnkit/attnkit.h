@@ -5,5 +5,6 @@
 #include "attnkit/dtype.h"
 #include "attnkit/error.h"
 #include "attnkit/runtime.h"
+#include "attnkit/sage.h"
 #include "attnkit/sparse_mla.h"
 #include "attnkit/tensor.h"

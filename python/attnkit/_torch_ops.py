@@ -9,6 +9,7 @@ seed drawn at run time, never at trace time.
 import torch
 
 from .ops import attention_shapes, run_attention
+from .sage import run_sage
 from .sparse_mla import run_sparse_mla
 
 _LIB = torch.library.Library("attnkit", "DEF")
@@ -80,6 +81,33 @@ def sparse_mla(strict, *args):
     """The torch path of the sparse MLA ops (arguments already checked for kind)."""
     op = torch.ops.attnkit.sparse_mla_q8kv8_prefill_fwd if strict else torch.ops.attnkit.sparse_mla_prefill_fwd
     op(*args)
+
+
+_LIB.define("sage_attention(Tensor q, Tensor k, Tensor v, int causal, float? scale, str layout, "
+            "str mode) -> (Tensor, Tensor)")
+
+
+def _sage_impl(q, k, v, causal, scale, layout, mode):
+    out_shape, lse_shape = attention_shapes(q, k, v, layout)
+    out = torch.empty(out_shape, dtype=q.dtype)
+    lse = torch.empty(lse_shape, dtype=torch.float32)
+    run_sage(q, k, v, causal, scale, layout, mode, out, lse)
+    return out, lse
+
+
+def _sage_fake(q, k, v, causal, scale, layout, mode):
+    out_shape, lse_shape = attention_shapes(q, k, v, layout)
+    return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+_LIB.impl("sage_attention", _sage_impl, "CPU")
+torch.library.register_fake("attnkit::sage_attention", _sage_fake, lib=_LIB)
+
+
+def sage_attention(q, k, v, causal, scale, layout, mode):
+    """The torch path of attnkit.sage_attention: (out, lse)."""
+    return torch.ops.attnkit.sage_attention(q, k, v, causal, None if scale is None else float(scale),
+                                            layout, mode)
 
 
 _LIB.impl("attention", _attention_impl, "CPU")

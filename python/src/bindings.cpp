@@ -54,6 +54,12 @@ std::optional<attnkit::TensorView> to_view(const std::optional<TypedArray>& type
   return to_view(*typed, name);
 }
 
+attnkit::Layout parse_layout(const std::string& layout) {
+  if (layout == "BHSD") return attnkit::Layout::BHSD;
+  if (layout == "BSHD") return attnkit::Layout::BSHD;
+  throw attnkit::Error("layout must be \"BHSD\" or \"BSHD\", got \"" + layout + "\"");
+}
+
 void attention(const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
                const std::optional<OutArray>& lse, const std::optional<InArray>& attn_mask, int causal,
                std::optional<double> scale, double dropout_p, std::optional<uint64_t> seed,
@@ -71,13 +77,7 @@ void attention(const InArray& q, const InArray& k, const InArray& v, const OutAr
   args.dropout_p = dropout_p;
   args.seed = seed;
   args.enable_gqa = enable_gqa;
-  if (layout == "BHSD") {
-    args.layout = attnkit::Layout::BHSD;
-  } else if (layout == "BSHD") {
-    args.layout = attnkit::Layout::BSHD;
-  } else {
-    throw attnkit::Error("layout must be \"BHSD\" or \"BSHD\", got \"" + layout + "\"");
-  }
+  args.layout = parse_layout(layout);
   nb::gil_scoped_release release;
   attnkit::attention(args);
 }
@@ -115,6 +115,30 @@ void sparse_mla(const InArray& q, const InArray& kv, const InArray& indices, dou
   Op(args);
 }
 
+void sage_attention(const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
+                    const std::optional<OutArray>& lse, int causal, std::optional<double> scale,
+                    const std::string& layout, const std::string& mode) {
+  attnkit::SageArgs args;
+  args.q = to_view(q, "q");
+  args.k = to_view(k, "k");
+  args.v = to_view(v, "v");
+  args.out = to_view(out, "out");
+  args.lse = to_view(lse, "lse");
+  if (causal < 0 || causal > 2) throw attnkit::Error("causal: expected 0, 1 or 2");
+  args.causal = static_cast<attnkit::Causal>(causal);
+  args.scale = scale;
+  args.layout = parse_layout(layout);
+  if (mode == "int8") {
+    args.mode = attnkit::SageMode::int8;
+  } else if (mode == "fp4") {
+    args.mode = attnkit::SageMode::fp4;
+  } else {
+    throw attnkit::Error("mode must be \"int8\" or \"fp4\", got \"" + mode + "\"");
+  }
+  nb::gil_scoped_release release;
+  attnkit::sage_attention(args);
+}
+
 void cast(const InArray& src, const OutArray& dst) {
   attnkit::TensorView s = to_view(src, "src"), d = to_view(dst, "dst");
   if (!s.is_contiguous() || !d.is_contiguous() || s.numel() != d.numel()) {
@@ -138,6 +162,8 @@ NB_MODULE(_C, m) {
         "attn_mask"_a.none(), "causal"_a, "scale"_a.none(), "dropout_p"_a, "seed"_a.none(),
         "enable_gqa"_a, "layout"_a);
   m.def("cast", &cast, "src"_a, "dst"_a);
+  m.def("sage_attention", &sage_attention, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(), "causal"_a,
+        "scale"_a.none(), "layout"_a, "mode"_a);
   m.def("sparse_mla_prefill_fwd", &sparse_mla<&attnkit::sparse_mla_prefill_fwd>, "q"_a, "kv"_a, "indices"_a,
         "sm_scale"_a, "d_v"_a, "q_scale"_a.none(), "kv_scale"_a.none(), "attn_sink"_a.none(),
         "topk_length"_a.none(), "out"_a, "max_logits"_a, "lse"_a);

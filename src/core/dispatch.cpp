@@ -29,7 +29,7 @@ const std::vector<Variant>& variants() {
        [] {
          return cpu_has("avx512f") && cpu_has("avx512bw") && cpu_has("avx512vl") &&
                 cpu_has("avx512dq") && cpu_has("avx2") && cpu_has("fma") && cpu_has("f16c") &&
-                cpu_has("bmi2") && cpu_has("avx512bf16");
+                cpu_has("bmi2") && cpu_has("avx512bf16") && cpu_has("avx512vnni");
        }},
 #endif
 #if ATTNKIT_HAVE_AVX512

@@ -18,6 +18,7 @@
 #include "cpu/kernels/dot.h"
 #include "cpu/kernels/gemm.h"
 #include "cpu/kernels/gemm_bf16.h"
+#include "cpu/kernels/gemm_int8.h"
 #include "cpu/kernels/workspace.h"
 #include "cpu/kernels/softmax.h"
 #include "ops/attention_params.h"
@@ -32,6 +33,18 @@ constexpr int64_t kMinParallelTasks = 16;  // fewer row blocks than this: split 
 // columns) and of 6 (the P·V tile's rows on AVX-512), measured best of 48, 64 and 96.
 constexpr int64_t kRowTarget = 48;
 
+// K and V prepared once per call for sage int8 mode (prepare_sage): K smoothed by its
+// per-head mean over tokens (softmax is invariant to it; lse is corrected), then int8 with
+// one scale per kKvTile keys, stored + 128 as the unsigned operand of vpdpbusd; on
+// avx512bf16 also V as bf16 pairs of consecutive keys for vdpbf16ps.
+struct QuantizedKeys {
+  const uint8_t* codes;     // [B][Hkv][Skv][4 * quads]
+  const float* scale;       // [B][Hkv][tiles]
+  const float* mean;        // [B][Hkv][D]
+  const uint32_t* v_pairs;  // [B][Hkv][ceil(Skv / 2)][dv_pad], or null
+  int64_t quads, tiles;
+};
+
 // How the work splits into tasks, and the per-thread workspace each task uses.
 struct Plan {
   int64_t heads_per_task, positions_per_task, head_chunks, q_blocks, row_blocks;
@@ -39,9 +52,12 @@ struct Plan {
   int64_t rows_pad, d_pad, dv_pad, workspace_floats, partial_floats;
   bool row_dot;                 // few rows: dot each key with each row (no row padding)
   bool bf16_dot;                // bf16 inputs on avx512bf16: K·Qᵀ with vdpbf16ps
+  bool int8;                    // sage int8 mode: K·Qᵀ on int8 codes
+  bool pv_bf16;                 // sage int8 mode on avx512bf16: P·V on bf16 pairs
   bool k_in_place, v_in_place;  // fp32 rows with unit stride need no packing
 
-  explicit Plan(const AttentionParams& p) {
+  Plan(const AttentionParams& p, bool int8_mode) {
+    int8 = int8_mode;
     heads_per_task = p.group < kRowTarget ? p.group : kRowTarget;
     positions_per_task = kRowTarget / heads_per_task;
     if (positions_per_task > p.Sq) positions_per_task = p.Sq;
@@ -65,11 +81,13 @@ struct Plan {
     rows_pad = round_up(rows, kLanes);
     d_pad = round_up(p.D, kLanes);
     dv_pad = round_up(p.Dv, kLanes);
-    row_dot = rows <= kMaxDotRows && 2 * rows <= kLanes;
+    row_dot = !int8 && rows <= kMaxDotRows && 2 * rows <= kLanes;
 #if defined(ATTNKIT_ISA_avx512bf16)
-    bf16_dot = p.dtype == DType::bfloat16 && !row_dot;
+    bf16_dot = !int8 && p.dtype == DType::bfloat16 && !row_dot;
+    pv_bf16 = int8;
 #else
     bf16_dot = false;
+    pv_bf16 = false;
 #endif
     k_in_place = p.k_stride[3] == 1 && row_dot;
     v_in_place = p.dtype == DType::float32 && p.v_stride[3] == 1 && p.Dv == dv_pad;
@@ -78,13 +96,14 @@ struct Plan {
                        + kKvTile * rows_pad        // Sᵀ, then Pᵀ
                        + kKvTile * p.D             // K tile (when packed)
                        + kKvTile * dv_pad          // V tile (when packed)
-                       + 3 * rows_pad;             // running max, sum, rescale factors
+                       + 5 * rows_pad;             // running max, sum, rescale; int8 q scale, sum
     partial_floats = kv_splits > 1 ? rows_pad * (dv_pad + 2) : 0;  // o, m, l of one split
   }
 };
 
 struct Workspace {
-  float *qt, *o, *st, *k, *v, *m, *l, *alpha;
+  float *qt, *o, *st, *k, *v, *m, *l, *alpha, *q_scale;
+  int32_t* q_sum;
   Workspace(float* base, const Plan& plan, const AttentionParams& p) {
     qt = base;
     o = qt + plan.d_pad * plan.rows_pad;
@@ -94,6 +113,8 @@ struct Workspace {
     m = v + kKvTile * plan.dv_pad;
     l = m + plan.rows_pad;
     alpha = l + plan.rows_pad;
+    q_scale = alpha + plan.rows_pad;
+    q_sum = reinterpret_cast<int32_t*>(q_scale + plan.rows_pad);
   }
 };
 
@@ -108,7 +129,8 @@ class AttentionTask {
   using E = typename Elem<T>::type;
 
  public:
-  AttentionTask(const AttentionParams& p, const Plan& plan) : p_(p), plan_(plan) {}
+  AttentionTask(const AttentionParams& p, const Plan& plan, const QuantizedKeys* kq = nullptr)
+      : p_(p), plan_(plan), kq_(kq) {}
 
   RowBlock row_block(int64_t index) const {
     // Heavy first: the last query blocks (most keys under a causal mask) come first.
@@ -185,7 +207,9 @@ class AttentionTask {
   // Runs keys [begin, end) through the tile loop, leaving the rows' state in w.o, w.m, w.l.
   void attend(const RowBlock& rb, int64_t begin, int64_t end, const Workspace& w) const {
     const int64_t ld = plan_.rows_pad;
-    if (plan_.row_dot) {
+    if (plan_.int8) {
+      pack_q_int8(rb, w);
+    } else if (plan_.row_dot) {
       pack_q_rows(rb, w.qt);
     } else if (plan_.bf16_dot) {
       pack_qt_pairs(rb, reinterpret_cast<uint32_t*>(w.qt));
@@ -200,7 +224,9 @@ class AttentionTask {
     for (int64_t j0 = begin; j0 < end; j0 += kKvTile) {
       const int64_t bc = end - j0 < kKvTile ? end - j0 : kKvTile;
       const E* ksrc = kbase + j0 * p_.k_stride[2];
-      if (plan_.row_dot) {  // Sᵀ[j][r] = K[j] · Q[r]
+      if (plan_.int8) {  // Sᵀ = K · Qᵀ on int8 codes, dequantised
+        qk_int8(rb, j0, bc, w);
+      } else if (plan_.row_dot) {  // Sᵀ[j][r] = K[j] · Q[r]
         if (plan_.k_in_place) {
           dot_rows<T>(rb.rows, bc, p_.D, ksrc, p_.k_stride[2], w.qt, plan_.d_pad, w.st, ld);
         } else {
@@ -225,6 +251,10 @@ class AttentionTask {
         if (w.alpha[r] != 1.0f) scale_row(w.o + r * plan_.dv_pad, plan_.dv_pad, w.alpha[r]);
       }
       if (p_.dropout_p > 0.0f) apply_dropout(rb, j0, bc, w.st);
+      if (plan_.pv_bf16) {
+        pv_bf16(rb, j0, bc, w);
+        continue;
+      }
       const float* v = w.v;
       int64_t ldv = plan_.dv_pad;
       if (plan_.v_in_place) {
@@ -273,6 +303,108 @@ class AttentionTask {
 #else
   void pack_qt_pairs(const RowBlock&, uint32_t*) const {}
   void qk_bf16(const E*, int64_t, const Workspace&) const {}
+#endif
+
+  // Sage int8: Q rows quantised to int8 with one scale per row (the softmax scale folded
+  // in), written as Qᵀ quads of s8 for vpdpbusd (or as floats of the codes elsewhere);
+  // q_sum[r] = Σ codes corrects the +128 offset of the unsigned K codes.
+  void pack_q_int8(const RowBlock& rb, const Workspace& w) const {
+    const int64_t ld = plan_.rows_pad;
+    const E* base = static_cast<const E*>(p_.q) + rb.b * p_.q_stride[0];
+    std::memset(w.qt, 0, sizeof(float) * plan_.d_pad * ld);
+    for (int64_t r = 0; r < ld; ++r) w.q_scale[r] = 0.0f, w.q_sum[r] = 0;
+    for (int64_t r = 0; r < rb.rows; ++r) {
+      const E* src = base + (rb.h0 + r / rb.nq) * p_.q_stride[1] + (rb.i0 + r % rb.nq) * p_.q_stride[2];
+      float* row = w.k;  // free until the first key tile
+      load_row<T>(src, p_.q_stride[3], p_.D, 1.0f, row);
+      float amax = 0.0f;
+      for (int64_t d = 0; d < p_.D; ++d) amax = std::fabs(row[d]) > amax ? std::fabs(row[d]) : amax;
+      const float step = amax > 0.0f ? amax / 127.0f : 1.0f;
+      w.q_scale[r] = step * p_.scale;
+      int32_t sum = 0;
+      for (int64_t d = 0; d < p_.D; ++d) {
+        const int32_t code = static_cast<int32_t>(std::nearbyint(row[d] / step));
+        sum += code;
+#if defined(ATTNKIT_ISA_avx512bf16)
+        reinterpret_cast<uint8_t*>(reinterpret_cast<uint32_t*>(w.qt) + d / 4 * ld + r)[d % 4] =
+            static_cast<uint8_t>(static_cast<int8_t>(code));
+#else
+        w.qt[d * ld + r] = static_cast<float>(code);
+#endif
+      }
+      w.q_sum[r] = sum;
+    }
+  }
+
+  // Sᵀ[j][r] = (K codes · Q codes) · q_scale[r] · k_scale[tile]: exact integer dot products
+  // (vpdpbusd, or fp32 FMAs on integers below 2^24 elsewhere), then one multiply.
+  void qk_int8(const RowBlock& rb, int64_t j0, int64_t bc, const Workspace& w) const {
+    const int64_t ld = plan_.rows_pad, quads = kq_->quads, head = rb.b * p_.Hkv + rb.kvh;
+    const uint8_t* codes = kq_->codes + (head * p_.Skv + j0) * 4 * quads;
+    const float k_scale = kq_->scale[head * kq_->tiles + j0 / kKvTile];
+#if defined(ATTNKIT_ISA_avx512bf16)
+    int32_t* acc = reinterpret_cast<int32_t*>(w.st);
+    gemm_u8s8<kWideRows, kWideVecs>(bc, ld, quads, reinterpret_cast<const uint32_t*>(codes), quads,
+                                    reinterpret_cast<const uint32_t*>(w.qt), ld, acc, ld);
+    for (int64_t r = 0; r < ld; r += kLanes) {
+      vint offset;
+      std::memcpy(&offset, w.q_sum + r, sizeof offset);
+      offset *= 128;  // Σ (k + 128) q - 128 Σ q = Σ k q
+      const vfloat scale = vload(w.q_scale + r) * k_scale;
+      for (int64_t j = 0; j < bc; ++j) {
+        vint a;
+        std::memcpy(&a, acc + j * ld + r, sizeof a);
+        vstore(w.st + j * ld + r, __builtin_convertvector(a - offset, vfloat) * scale);
+      }
+    }
+#else
+    for (int64_t j = 0; j < bc; ++j) {
+      for (int64_t d = 0; d < p_.D; ++d) w.k[j * p_.D + d] = static_cast<float>(int32_t{codes[j * 4 * quads + d]} - 128);
+    }
+    gemm<kWideRows, kWideVecs>(bc, ld, p_.D, w.k, p_.D, 1, w.qt, ld, w.st, ld, false);
+    for (int64_t r = 0; r < ld; r += kLanes) {
+      const vfloat scale = vload(w.q_scale + r) * k_scale;
+      for (int64_t j = 0; j < bc; ++j) vstore(w.st + j * ld + r, vload(w.st + j * ld + r) * scale);
+    }
+#endif
+  }
+
+  // lse of the unsmoothed logits: subtracting the key mean shifted row (h, i) by q · mean.
+  float lse_shift(const RowBlock& rb, int64_t h, int64_t i) const {
+    const E* q = static_cast<const E*>(p_.q) + rb.b * p_.q_stride[0] + h * p_.q_stride[1] + i * p_.q_stride[2];
+    const float* mean = kq_->mean + (rb.b * p_.Hkv + rb.kvh) * p_.D;
+    float dot = 0.0f;
+    for (int64_t d = 0; d < p_.D; ++d) dot += Elem<T>::load(q[d * p_.q_stride[3]]) * mean[d];
+    return dot * p_.scale;
+  }
+
+#if defined(ATTNKIT_ISA_avx512bf16)
+  // Sage int8: O += P · V with P rounded to bf16 and both packed as pairs along the keys
+  // (vdpbf16ps): Pᵀ is rewritten in place (pair row jp of keys 2jp, 2jp+1) and V rows are
+  // interleaved two by two.
+  void pv_bf16(const RowBlock& rb, int64_t j0, int64_t bc, const Workspace& w) const {
+    const int64_t ld = plan_.rows_pad, dv_pad = plan_.dv_pad, pairs = (bc + 1) / 2;
+    uint32_t* pp = reinterpret_cast<uint32_t*>(w.st);
+    for (int64_t jp = 0; jp < pairs; ++jp) {
+      for (int64_t r = 0; r < ld; r += kLanes) {
+        const vfloat lo = vload(w.st + 2 * jp * ld + r);
+        const vfloat hi = 2 * jp + 1 < bc ? vload(w.st + (2 * jp + 1) * ld + r) : vfloat{};
+        const vuint packed = round_to_bf16_bits(lo) | (round_to_bf16_bits(hi) << 16);
+        std::memcpy(pp + jp * ld + r, &packed, sizeof packed);
+      }
+    }
+    const int64_t head = rb.b * p_.Hkv + rb.kvh;
+    const uint32_t* vp = kq_->v_pairs + (head * ((p_.Skv + 1) / 2) + j0 / 2) * dv_pad;
+    const int64_t full = bc / 2;  // pairs whose two keys are both in the tile
+    gemm_bf16<kTallRows, kTallVecs>(rb.rows, dv_pad, full, pp, 1, ld, vp, dv_pad, w.o, dv_pad, true);
+    if (bc % 2) {  // the last key alone: the pair's other key lies past the tile (mask, split)
+      uint32_t* last = reinterpret_cast<uint32_t*>(w.v);
+      for (int64_t d = 0; d < dv_pad; ++d) last[d] = vp[full * dv_pad + d] & 0xFFFFu;
+      gemm_bf16<kTallRows, kTallVecs>(rb.rows, dv_pad, 1, pp + full * ld, 1, ld, last, dv_pad, w.o, dv_pad, true);
+    }
+  }
+#else
+  void pv_bf16(const RowBlock&, int64_t, int64_t, const Workspace&) const {}
 #endif
 
   // Q rows [rows][d_pad], pre-multiplied by the softmax scale, zero-padded (row-dot path).
@@ -360,22 +492,23 @@ private:
       for (int64_t d = 0; d < p_.Dv; ++d) dst[d * p_.out_stride[3]] = Elem<T>::store(o[d] * inv);
       if (p_.lse) {
         p_.lse[rb.b * p_.lse_stride[0] + h * p_.lse_stride[1] + i * p_.lse_stride[2]] =
-            l == 0.0f ? -INFINITY : m[r] + std::log(l);
+            l == 0.0f ? -INFINITY : m[r] + std::log(l) + (kq_ ? lse_shift(rb, h, i) : 0.0f);
       }
     }
   }
 
   const AttentionParams& p_;
   const Plan& plan_;
+  const QuantizedKeys* kq_;  // sage int8 mode only
 };
 
 template <DType T>
-void run_attention(const AttentionParams& p) {
+void run_attention(const AttentionParams& p, const QuantizedKeys* kq = nullptr) {
   const int threads = detail::num_threads();
-  const Plan plan(p);
+  const Plan plan(p, kq != nullptr);
   AlignedBuffer<float> workspace(plan.workspace_floats * threads);
   AlignedBuffer<float> partial(plan.partial_floats * plan.tasks);
-  const AttentionTask<T> task(p, plan);
+  const AttentionTask<T> task(p, plan, kq);
   auto attend = [&](int64_t t, int thread) {
     task.run(t, workspace.data + plan.workspace_floats * thread, partial.data);
   };
@@ -395,6 +528,93 @@ void attention_fwd(const AttentionParams& p) {
     case DType::float16: return run_attention<DType::float16>(p);
     case DType::bfloat16: return run_attention<DType::bfloat16>(p);
     default: return run_attention<DType::float32>(p);
+  }
+}
+
+
+namespace {
+
+// Sage int8: one pass over K per (batch, kv head): the mean over tokens, then int8 codes of
+// (k - mean) with one scale (max |k - mean| / 127) per kKvTile keys; and, where P·V runs on
+// bf16 pairs, one pass over V packing consecutive keys into pairs.
+template <DType T>
+void prepare_sage(const AttentionParams& p, uint8_t* codes, float* scale, float* mean, uint32_t* v_pairs,
+                  int64_t quads, int64_t tiles, int64_t dv_pad) {
+  using E = typename Elem<T>::type;
+  auto body = [&](int64_t head, int) {
+    const int64_t b = head / p.Hkv, kvh = head % p.Hkv;
+    const E* k = static_cast<const E*>(p.k) + b * p.k_stride[0] + kvh * p.k_stride[1];
+    float* mu = mean + head * p.D;
+    AlignedBuffer<float> tile(kKvTile * p.D > 2 * dv_pad ? kKvTile * p.D : 2 * dv_pad);
+    std::memset(mu, 0, sizeof(float) * p.D);
+    for (int64_t j = 0; j < p.Skv; ++j) {
+      load_row<T>(k + j * p.k_stride[2], p.k_stride[3], p.D, 1.0f, tile.data);
+      for (int64_t d = 0; d < p.D; ++d) mu[d] += tile.data[d];
+    }
+    for (int64_t d = 0; d < p.D; ++d) mu[d] /= static_cast<float>(p.Skv);
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t j0 = t * kKvTile, n = p.Skv - j0 < kKvTile ? p.Skv - j0 : kKvTile;
+      float amax = 0.0f;
+      for (int64_t j = 0; j < n; ++j) {
+        float* row = tile.data + j * p.D;
+        load_row<T>(k + (j0 + j) * p.k_stride[2], p.k_stride[3], p.D, 1.0f, row);
+        for (int64_t d = 0; d < p.D; ++d) {
+          row[d] -= mu[d];
+          amax = std::fabs(row[d]) > amax ? std::fabs(row[d]) : amax;
+        }
+      }
+      const float step = amax > 0.0f ? amax / 127.0f : 1.0f;
+      scale[head * tiles + t] = step;
+      for (int64_t j = 0; j < n; ++j) {
+        uint8_t* dst = codes + (head * p.Skv + j0 + j) * 4 * quads;
+        for (int64_t d = 0; d < 4 * quads; ++d) {
+          const float x = d < p.D ? tile.data[j * p.D + d] / step : 0.0f;
+          dst[d] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(x)) + 128);
+        }
+      }
+    }
+#if defined(ATTNKIT_ISA_avx512bf16)
+    const E* v = static_cast<const E*>(p.v) + b * p.v_stride[0] + kvh * p.v_stride[1];
+    const int64_t pairs = (p.Skv + 1) / 2;
+    float* row0 = tile.data;
+    float* row1 = tile.data + dv_pad;
+    for (int64_t jp = 0; jp < pairs; ++jp) {
+      std::memset(row0, 0, sizeof(float) * 2 * dv_pad);
+      load_row<T>(v + 2 * jp * p.v_stride[2], p.v_stride[3], p.Dv, 1.0f, row0);
+      if (2 * jp + 1 < p.Skv) load_row<T>(v + (2 * jp + 1) * p.v_stride[2], p.v_stride[3], p.Dv, 1.0f, row1);
+      uint32_t* dst = v_pairs + (head * pairs + jp) * dv_pad;
+      for (int64_t d = 0; d < dv_pad; d += kLanes) {
+        const vuint packed = round_to_bf16_bits(vload(row0 + d)) | (round_to_bf16_bits(vload(row1 + d)) << 16);
+        std::memcpy(dst + d, &packed, sizeof packed);
+      }
+    }
+#else
+    (void)v_pairs;
+#endif
+  };
+  detail::parallel_for(p.B * p.Hkv, detail::num_threads(), body);
+}
+
+template <DType T>
+void run_sage_int8(const AttentionParams& p) {
+  const int64_t quads = (p.D + 3) / 4, tiles = (p.Skv + kKvTile - 1) / kKvTile;
+  const int64_t dv_pad = round_up(p.Dv, kLanes);
+  const bool pv_pairs = Plan(p, true).pv_bf16;
+  AlignedBuffer<uint8_t> codes(p.B * p.Hkv * p.Skv * 4 * quads);
+  AlignedBuffer<float> scale(p.B * p.Hkv * tiles), mean(p.B * p.Hkv * p.D);
+  AlignedBuffer<uint32_t> v_pairs(pv_pairs ? p.B * p.Hkv * ((p.Skv + 1) / 2) * dv_pad : 0);
+  prepare_sage<T>(p, codes.data, scale.data, mean.data, v_pairs.data, quads, tiles, dv_pad);
+  const QuantizedKeys kq{codes.data, scale.data, mean.data, v_pairs.data, quads, tiles};
+  run_attention<T>(p, &kq);
+}
+
+}  // namespace
+
+void sage_int8_fwd(const AttentionParams& p) {
+  switch (p.dtype) {
+    case DType::float16: return run_sage_int8<DType::float16>(p);
+    case DType::bfloat16: return run_sage_int8<DType::bfloat16>(p);
+    default: return run_sage_int8<DType::float32>(p);
   }
 }
 

@@ -8,6 +8,6 @@
 
 namespace attnkit::cpu::ATTNKIT_ISA {
 
-const KernelTable kernel_table = {ATTNKIT_STR(ATTNKIT_ISA), &attention_fwd, &sparse_mla_fwd};
+const KernelTable kernel_table = {ATTNKIT_STR(ATTNKIT_ISA), &attention_fwd, &sparse_mla_fwd, &sage_int8_fwd};
 
 }  // namespace attnkit::cpu::ATTNKIT_ISA

@@ -16,6 +16,7 @@ struct KernelTable {
   const char* isa;
   void (*attention_fwd)(const AttentionParams& params);
   void (*sparse_mla_fwd)(const SparseMlaParams& params);
+  void (*sage_int8_fwd)(const AttentionParams& params);
 };
 
 // Loops the benchmark uses to measure the machine (src/cpu/machine_probe.cpp).

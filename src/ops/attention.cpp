@@ -55,7 +55,7 @@ bool is_attention_dtype(DType t) {
 
 }  // namespace
 
-void attention(const AttentionArgs& a) {
+AttentionParams detail::attention_params(const AttentionArgs& a) {
   const Layout layout = a.layout;
 
   // 1. Ranks.
@@ -163,7 +163,12 @@ void attention(const AttentionArgs& a) {
   p.dropout_p = static_cast<float>(a.dropout_p);
   p.seed = a.seed ? *a.seed : (uint64_t{std::random_device{}()} << 32) ^ std::random_device{}();
 
-  if (B == 0 || Hq == 0 || Sq == 0) return;  // empty result: nothing to write
+  return p;
+}
+
+void attention(const AttentionArgs& args) {
+  const AttentionParams p = detail::attention_params(args);
+  if (p.B == 0 || p.Hq == 0 || p.Sq == 0) return;  // empty result: nothing to write
   detail::kernels().attention_fwd(p);
 }
 

@@ -30,4 +30,10 @@ struct AttentionParams {
   uint64_t seed;                // dropout stream key
 };
 
+namespace detail {
+// The dense-attention contract: validates args (throws Error) and fills the params block.
+// Shared by every op with attention's shapes (attention, sage_attention).
+AttentionParams attention_params(const AttentionArgs& args);
+}  // namespace detail
+
 }  // namespace attnkit

@@ -14,6 +14,7 @@
 #include "cpu/kernels/convert.h"
 #include "cpu/kernels/gemm.h"
 #include "cpu/kernels/gemm_bf16.h"
+#include "cpu/kernels/gemm_int8.h"
 #include "cpu/kernels/simd.h"
 #include "cpu/kernels/softmax.h"
 
@@ -191,6 +192,35 @@ ISA_TEST(GemmBf16, MatchesFloat64Reference) {
               }
             }
             ASSERT_NEAR(c[i * ldc + j], ref, 1e-6 * (mag + 1)) << "m=" << m << " n=" << n << " pairs=" << pairs;
+          }
+        }
+      }
+    }
+  }
+}
+
+// vpdpbusd tiles: u8 quads of A times s8 quads of B, exact int32 sums.
+ISA_TEST(GemmU8S8, MatchesIntegerReference) {
+  SKIP_UNLESS_RUNNABLE();
+  std::mt19937 gen(9);
+  for (int64_t m : {1, 3, 4, 9}) {
+    for (int64_t n : {16, 48, 112}) {
+      for (int64_t quads : {1, 7, 32}) {
+        const int64_t lda = quads + 2, ldb = n + 16, ldc = n;
+        std::vector<uint32_t> a(m * lda), b(quads * ldb);
+        for (auto& x : a) x = gen();
+        for (auto& x : b) x = gen();
+        std::vector<int32_t> c(m * ldc, -1);
+        gemm_u8s8<kWideRows, kWideVecs>(m, n, quads, a.data(), lda, b.data(), ldb, c.data(), ldc);
+        for (int64_t i = 0; i < m; ++i) {
+          for (int64_t j = 0; j < n; ++j) {
+            int64_t ref = 0;
+            for (int64_t p = 0; p < quads; ++p) {
+              for (int byte = 0; byte < 4; ++byte) {
+                ref += int64_t{uint8_t(a[i * lda + p] >> (8 * byte))} * int8_t(uint8_t(b[p * ldb + j] >> (8 * byte)));
+              }
+            }
+            ASSERT_EQ(c[i * ldc + j], ref) << "m=" << m << " n=" << n << " quads=" << quads;
           }
         }
       }

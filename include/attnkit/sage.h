@@ -1,0 +1,29 @@
+// SageAttention-style quantized attention: int8 Q·Kᵀ (K smoothed by its per-head mean over
+// tokens), fp32 online softmax, reduced-precision P·V. Same shapes as attnkit::attention.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "attnkit/attention.h"
+#include "attnkit/tensor.h"
+
+namespace attnkit {
+
+enum class SageMode : uint8_t {
+  int8,  // SageAttention2's recipe on this CPU (see python/attnkit/sage.py)
+  fp4,   // SageAttention3's NVFP4 numerics (not built yet: throws Error)
+};
+
+struct SageArgs {
+  TensorView q, k, v, out;        // as AttentionArgs; GQA allowed (Hq a multiple of Hkv)
+  std::optional<TensorView> lse;  // float32 [B, Hq, Sq], of the unquantised-equivalent logits
+  Causal causal = Causal::none;
+  std::optional<double> scale;
+  Layout layout = Layout::BHSD;
+  SageMode mode = SageMode::int8;
+};
+
+void sage_attention(const SageArgs& args);
+
+}  // namespace attnkit

@@ -1,0 +1,54 @@
+"""SageAttention-style quantized attention."""
+
+from . import _C
+from ._arrays import empty_like_kind, kind_of, typed, typed_output
+from .ops import attention_shapes, causal_code, check_scalars
+
+_MODES = ("int8", "fp4")
+
+
+def run_sage(q, k, v, causal, scale, layout, mode, out, lse):
+    """Calls the kernel on checked kinds; out (and lse, if not None) are caller-owned."""
+    _C.sage_attention(typed(q, "q"), typed(k, "k"), typed(v, "v"), typed_output(out, "out"),
+                      None if lse is None else typed_output(lse, "lse"), causal,
+                      None if scale is None else float(scale), layout, mode)
+
+
+def sage_attention(q, k, v, *, causal=False, scale=None, layout="BHSD", mode="int8", return_lse=False):
+    """Quantized attention with attnkit.attention's shapes and semantics (no mask, no
+    dropout; GQA/MQA served natively when Hq is a multiple of Hkv).
+
+    mode "int8" — SageAttention2's recipe adapted to this CPU:
+    - K is smoothed by subtracting its per-(batch, kv head) mean over tokens: softmax is
+      invariant to it, and the returned lse is corrected back by scale · q·mean.
+    - Q is quantised to int8 per row (token and head), K per tile of 128 keys, each with
+      scale max|x| / 127 and round-to-nearest-even.
+    - Q·Kᵀ is an exact integer dot product: AVX512-VNNI vpdpbusd on the avx512bf16 variant
+      (K stored + 128 as its unsigned operand, corrected by 128·Σq), fp32 FMAs on integers
+      below 2^24 elsewhere, so every ISA gets the same integers.
+    - Scores are dequantised (q scale · k scale · softmax scale) into the fp32 online softmax.
+    - P·V: on avx512bf16, P and V rounded to bf16 and multiplied with vdpbf16ps (fp32
+      sums; 1.75× the fp32 FMA rate there); elsewhere fp32. The quantisation of K is one
+      pass over K per call; Q is quantised inside the kernel.
+    mode "fp4" — SageAttention3's NVFP4 numerics: not built yet (raises ValueError).
+
+    Inputs: numpy arrays or CPU torch tensors (torch goes through
+    torch.ops.attnkit.sage_attention). Returns out, or (out, lse) with return_lse=True.
+    """
+    code = causal_code(causal)
+    check_scalars(scale, 0.0, None, layout)
+    if mode not in _MODES:
+        raise ValueError(f'mode must be "int8" or "fp4", got {mode!r}')
+    kind = kind_of(q, "q")
+    for x, name in ((k, "k"), (v, "v")):
+        if kind_of(x, name) != kind:
+            raise ValueError(f"{name} must be a {kind} array like q, got {type(x).__name__}")
+    if kind == "torch":
+        from . import _torch_ops
+        out, lse = _torch_ops.sage_attention(q, k, v, code, scale, layout, mode)
+        return (out, lse) if return_lse else out
+    out_shape, lse_shape = attention_shapes(q, k, v, layout)
+    out = empty_like_kind("numpy", out_shape, typed(q, "q")[1])
+    lse = empty_like_kind("numpy", lse_shape, "float32") if return_lse else None
+    run_sage(q, k, v, code, scale, layout, mode, out, lse)
+    return (out, lse) if return_lse else out

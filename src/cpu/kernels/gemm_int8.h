@@ -1,0 +1,75 @@
+// The int8 dot-product micro-kernel (AVX512-VNNI `vpdpbusd`): C += A · B with the
+// reduction axis in quads, each 32-bit element holding four 8-bit values; A unsigned, B
+// signed, sums exact in int32. 64 multiply-adds per instruction. Only the avx512bf16
+// variant (compiled with VNNI) has it.
+#pragma once
+
+#if defined(ATTNKIT_ISA_avx512bf16)
+
+#include <array>
+#include <cstdint>
+#include <utility>
+
+#include "cpu/kernels/simd.h"
+
+namespace attnkit::cpu::ATTNKIT_ISA {
+
+// c[MR][NV*16] = Σ_p a[i * lda + p] ⊙ b[p][NV*16]: each int32 lane adds the four products
+// of its u8 quad of a with its s8 quad of b.
+template <int MR, int NV>
+void gemm_u8s8_tile(int64_t k_quads, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb,
+                    int32_t* c, int64_t ldc) {
+  __m512i acc[MR][NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_setzero_si512();
+  }
+  for (int64_t p = 0; p < k_quads; ++p) {
+    __m512i bv[NV];
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) bv[j] = _mm512_loadu_si512(b + p * ldb + j * 16);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512i ai = _mm512_set1_epi32(static_cast<int>(a[i * lda + p]));
+#pragma GCC unroll 8
+      for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], ai, bv[j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) _mm512_storeu_si512(c + i * ldc + j * 16, acc[i][j]);
+  }
+}
+
+template <int MR, int NV>
+struct GemmU8S8Tiles {
+  using Fn = void (*)(int64_t, const uint32_t*, int64_t, const uint32_t*, int64_t, int32_t*, int64_t);
+  template <int R, int... V>
+  static constexpr auto row(std::integer_sequence<int, V...>) {
+    return std::array<Fn, NV>{&gemm_u8s8_tile<R, V + 1>...};
+  }
+  template <int... R>
+  static constexpr auto all(std::integer_sequence<int, R...>) {
+    return std::array{row<R + 1>(std::make_integer_sequence<int, NV>{})...};
+  }
+  static constexpr auto table = all(std::make_integer_sequence<int, MR>{});
+};
+
+// c[m][n] = A · B over k_quads quads; n a multiple of 16 (callers pad).
+template <int MR, int NV>
+void gemm_u8s8(int64_t m, int64_t n, int64_t k_quads, const uint32_t* a, int64_t lda, const uint32_t* b,
+               int64_t ldb, int32_t* c, int64_t ldc) {
+  for (int64_t n0 = 0; n0 < n; n0 += NV * 16) {
+    const int64_t nv = (n - n0) / 16 < NV ? (n - n0) / 16 : NV;
+    for (int64_t m0 = 0; m0 < m; m0 += MR) {
+      const int64_t mr = m - m0 < MR ? m - m0 : MR;
+      GemmU8S8Tiles<MR, NV>::table[mr - 1][nv - 1](k_quads, a + m0 * lda, lda, b + n0, ldb, c + m0 * ldc + n0, ldc);
+    }
+  }
+}
+
+}  // namespace attnkit::cpu::ATTNKIT_ISA
+
+#endif  // ATTNKIT_ISA_avx512bf16

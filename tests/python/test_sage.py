@@ -1,0 +1,116 @@
+"""attnkit.sage_attention (quantized attention), checked against the float64 reference of
+exact attention with the accuracy contract of the SageAttention recipe: cosine similarity
+>= 0.999 and relative L1 <= 0.02 on random inputs and on K with outlier channels (the case
+K smoothing exists for). lse is checked against the exact lse within the int8 logit error."""
+
+import numpy as np
+import pytest
+
+import attnkit
+from conftest import DTYPES, assert_bits_equal, make_qkv, np_dtype, randn, to_torch
+from reference import attention_ref
+
+torch = pytest.importorskip("torch")
+
+COS_MIN, REL_L1_MAX = 0.999, 0.02
+# lse error: int8 logits carry ~ scale·|q|·|k|/127 error per logit; at these sizes the
+# observed worst is ~0.03, bounded here with margin.
+LSE_ATOL = 0.1
+
+
+def accuracy(got, ref):
+    g = np.asarray(got, dtype=np.float64).ravel()
+    r = np.asarray(ref, dtype=np.float64).ravel()
+    cos = g @ r / (np.linalg.norm(g) * np.linalg.norm(r))
+    return cos, np.abs(g - r).sum() / np.abs(r).sum()
+
+
+def with_outlier_channels(rng, k, scale=4.0):
+    """K with a large per-channel offset shared by all tokens, as real models have."""
+    offset = rng.standard_normal((1, k.shape[1], 1, k.shape[3])) * scale
+    return (k.astype(np.float64) + offset).astype(k.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("outliers", [False, True])
+def test_accuracy_contract(rng, isa, dtype, D, causal, outliers):
+    q, k, v = make_qkv(rng, 1, 4, 2, 150, 300 if not causal else 150, D, D, dtype)
+    if outliers:
+        k = with_outlier_channels(rng, k)
+    out, lse = attnkit.sage_attention(q, k, v, causal=causal, return_lse=True)
+    ref, ref_lse = attention_ref(q, k, v, causal=causal, enable_gqa=True)
+    assert out.dtype == np_dtype(dtype) and np.isfinite(out.astype(np.float32)).all()
+    cos, l1 = accuracy(out, ref)
+    assert cos >= COS_MIN and l1 <= REL_L1_MAX, f"cos {cos:.6f}, rel L1 {l1:.4f}"
+    np.testing.assert_allclose(lse, ref_lse, atol=LSE_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["BHSD", "BSHD"])
+def test_layouts_scale_and_bottom_right(rng, layout):
+    q, k, v = make_qkv(rng, 2, 8, 1, 37, 200, 64, 48, "bfloat16", layout=layout)
+    out = attnkit.sage_attention(q, k, v, causal="bottom_right", scale=0.05, layout=layout)
+    ref, _ = attention_ref(q, k, v, causal="bottom_right", scale=0.05, enable_gqa=True, layout=layout)
+    cos, l1 = accuracy(out, ref)
+    assert cos >= COS_MIN and l1 <= REL_L1_MAX
+
+
+def test_decode_and_odd_lengths(rng):
+    """Sq = 1 over long keys (the key split path) and odd key counts (a lone last key)."""
+    for Sq, Skv in [(1, 3001), (5, 129), (3, 1)]:
+        q, k, v = make_qkv(rng, 1, 4, 1, Sq, Skv, 128, 128, "float32")
+        out = attnkit.sage_attention(q, k, v)
+        ref, _ = attention_ref(q, k, v, enable_gqa=True)
+        cos, l1 = accuracy(out, ref)
+        assert cos >= COS_MIN and l1 <= REL_L1_MAX, (Sq, Skv, cos, l1)
+
+
+def test_keys_past_the_causal_limit_never_contribute(rng):
+    """NaN in a key/value row that no query may see leaves every output finite."""
+    q, k, v = make_qkv(rng, 1, 2, 2, 65, 65, 32, 32, "float32")
+    k[:, :, 64, :] = np.nan
+    v[:, :, 64, :] = np.nan
+    out = attnkit.sage_attention(q[:, :, :64], k, v, causal=True)
+    assert np.isfinite(out).all()
+
+
+def test_inputs_unmodified_and_threads_bit_identical(rng, restore_runtime):
+    q, k, v = make_qkv(rng, 1, 4, 2, 100, 300, 64, 64, "bfloat16")
+    k = with_outlier_channels(rng, k)
+    before = [x.copy() for x in (q, k, v)]
+    runs = []
+    for n in (1, 2):
+        attnkit.set_num_threads(n)
+        runs.append(attnkit.sage_attention(q, k, v, causal=True))
+    assert_bits_equal(runs[0], runs[1])
+    for b, x in zip(before, (q, k, v)):
+        assert np.array_equal(b.view(np.uint8), x.view(np.uint8)), "an input was modified"
+
+
+def test_torch_tensors_compile_and_opcheck(rng):
+    q, k, v = (to_torch(x) for x in make_qkv(rng, 1, 4, 2, 40, 70, 64, 64, "bfloat16"))
+    out = attnkit.sage_attention(q, k, v)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
+    exact = attnkit.attention(q, k, v, enable_gqa=True)
+    cos = torch.nn.functional.cosine_similarity(out.double().flatten(), exact.double().flatten(), dim=0)
+    assert cos >= COS_MIN
+    torch.library.opcheck(torch.ops.attnkit.sage_attention.default, (q, k, v, 1, None, "BHSD", "int8"))
+
+
+def test_errors(rng):
+    q, k, v = make_qkv(rng, 1, 12, 8, 16, 16, 32, 32, "float32")
+    with pytest.raises(ValueError, match=r"^GQA/MQA requires query heads to be a multiple of KV heads, "
+                                          r"got q_heads=12 and kv_heads=8$"):
+        attnkit.sage_attention(q, k, v)
+    q, k, v = make_qkv(rng, 1, 4, 4, 16, 16, 32, 32, "float32")
+    with pytest.raises(ValueError, match='mode "fp4" is not built yet'):
+        attnkit.sage_attention(q, k, v, mode="fp4")
+    with pytest.raises(ValueError, match='mode must be "int8" or "fp4"'):
+        attnkit.sage_attention(q, k, v, mode="int4")
+    with pytest.raises(ValueError, match="k must have q's dtype float32, got bfloat16"):
+        attnkit.sage_attention(q, randn(rng, k.shape, "bfloat16"), v)
+    with pytest.raises(ValueError, match="q head dim D must be in"):
+        attnkit.sage_attention(q[..., :0], k[..., :0], v)
+    out = attnkit.sage_attention(q, k, v)  # still works after errors
+    assert np.isfinite(out).all()
