@@ -12,7 +12,7 @@ namespace attnkit {
 
 enum class SageMode : uint8_t {
   int8,  // SageAttention2's recipe on this CPU (see python/attnkit/sage.py)
-  fp4,   // SageAttention3's NVFP4 numerics (not built yet: throws Error)
+  fp4,   // SageAttention3's NVFP4 numerics, emulated exactly (slow; docs/sage_fp4.md)
 };
 
 struct SageArgs {

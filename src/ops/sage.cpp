@@ -4,14 +4,13 @@
 
 #include "attnkit/error.h"
 #include "core/dispatch.h"
+#include "cpu/sage_fp4.h"
+#include "ops/checks.h"
 #include "ops/attention_params.h"
 
 namespace attnkit {
 
 void sage_attention(const SageArgs& a) {
-  if (a.mode != SageMode::int8) {
-    throw Error("sage_attention: mode \"fp4\" is not built yet (SageAttention3 numerics); use mode \"int8\"");
-  }
   AttentionArgs args;
   args.q = a.q, args.k = a.k, args.v = a.v, args.out = a.out, args.lse = a.lse;
   args.causal = a.causal;
@@ -19,7 +18,12 @@ void sage_attention(const SageArgs& a) {
   args.layout = a.layout;
   args.enable_gqa = true;  // quantized attention serves GQA/MQA natively
   const AttentionParams p = detail::attention_params(args);
+  if (a.mode == SageMode::fp4 && (p.D % 16 != 0 || p.Dv != p.D)) {
+    detail::fail("sage_attention mode \"fp4\" needs D a multiple of 16 and Dv == D (NVFP4 blocks of 16), got D=",
+                 p.D, " and Dv=", p.Dv);
+  }
   if (p.B == 0 || p.Hq == 0 || p.Sq == 0) return;
+  if (a.mode == SageMode::fp4) return cpu::sage_fp4_fwd(p);
   detail::kernels().sage_int8_fwd(p);
 }
 

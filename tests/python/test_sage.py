@@ -1,7 +1,9 @@
-"""attnkit.sage_attention (quantized attention), checked against the float64 reference of
-exact attention with the accuracy contract of the SageAttention recipe: cosine similarity
->= 0.999 and relative L1 <= 0.02 on random inputs and on K with outlier channels (the case
-K smoothing exists for). lse is checked against the exact lse within the int8 logit error."""
+"""attnkit.sage_attention (quantized attention). mode "int8" is checked against the float64
+reference of exact attention with the accuracy contract of the SageAttention recipe: cosine
+similarity >= 0.999 and relative L1 <= 0.02 on random inputs and on K with outlier channels
+(the case K smoothing exists for); lse within the int8 logit error. mode "fp4" is checked
+against the numpy emulation of SageAttention3 (sage_fp4_reference.py, docs/sage_fp4.md):
+the C++ emulation must reproduce it up to the float32 rounding of the output."""
 
 import numpy as np
 import pytest
@@ -98,14 +100,36 @@ def test_torch_tensors_compile_and_opcheck(rng):
     torch.library.opcheck(torch.ops.attnkit.sage_attention.default, (q, k, v, 1, None, "BHSD", "int8"))
 
 
+@pytest.mark.parametrize("Sq,Skv,D,causal", [(200, 300, 64, False), (256, 256, 128, True),
+                                             (130, 70, 64, False), (100, 300, 64, "bottom_right"),
+                                             (40, 40, 256, True)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fp4_reproduces_sageattention3(rng, Sq, Skv, D, causal, dtype):
+    import sage_fp4_reference as sage3
+    q, k, v = make_qkv(rng, 1, 2, 2, Sq, Skv, D, D, dtype)
+    v = (v.astype(np.float32) + 0.5).astype(v.dtype)  # a mean in V, as real activations have
+    out, lse = attnkit.sage_attention(q, k, v, causal=causal, mode="fp4", return_lse=True)
+    ref = sage3.sage3_attention_ref(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+                                    causal=bool(causal))
+    out = out.astype(np.float64)
+    # The emulation runs in double like the reference; only the output cast differs.
+    out_ulp = 2.0 ** -8 if dtype == "bfloat16" else 2.0 ** -23
+    np.testing.assert_allclose(out, ref, rtol=out_ulp, atol=out_ulp * np.abs(ref).max())
+    exact, exact_lse = attention_ref(q, k, v, causal=causal)
+    assert sage3.cosine_similarity(out, exact) > 0.995
+    # lse is that of the FP4 logits: Q and K each carry ~10% element error, which moves
+    # logits (and lse) by a few tenths at these sizes.
+    np.testing.assert_allclose(lse, exact_lse, atol=0.5)
+
+
 def test_errors(rng):
     q, k, v = make_qkv(rng, 1, 12, 8, 16, 16, 32, 32, "float32")
     with pytest.raises(ValueError, match=r"^GQA/MQA requires query heads to be a multiple of KV heads, "
                                           r"got q_heads=12 and kv_heads=8$"):
         attnkit.sage_attention(q, k, v)
     q, k, v = make_qkv(rng, 1, 4, 4, 16, 16, 32, 32, "float32")
-    with pytest.raises(ValueError, match='mode "fp4" is not built yet'):
-        attnkit.sage_attention(q, k, v, mode="fp4")
+    with pytest.raises(ValueError, match=r'mode "fp4" needs D a multiple of 16 and Dv == D .* got D=24 and Dv=24'):
+        attnkit.sage_attention(q[..., :24], k[..., :24], v[..., :24], mode="fp4")
     with pytest.raises(ValueError, match='mode must be "int8" or "fp4"'):
         attnkit.sage_attention(q, k, v, mode="int4")
     with pytest.raises(ValueError, match="k must have q's dtype float32, got bfloat16"):
