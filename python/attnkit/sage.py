@@ -30,7 +30,15 @@ def sage_attention(q, k, v, *, causal=False, scale=None, layout="BHSD", mode="in
     - P·V: on avx512bf16, P and V rounded to bf16 and multiplied with vdpbf16ps (fp32
       sums; 1.75× the fp32 FMA rate there); elsewhere fp32. The quantisation of K is one
       pass over K per call; Q is quantised inside the kernel.
-    mode "fp4" — SageAttention3's NVFP4 numerics: not built yet (raises ValueError).
+    mode "fp4" — SageAttention3's numerics (sageattn3_blackwell), emulated exactly in double
+    precision so a model's quality under SageAttention3 can be checked on a CPU; speed is
+    secondary (scalar code, one thread per head). K smoothed by its token mean, Q by the
+    mean of each 128-row block (its product with K added back to the scores), Q and K
+    quantised to NVFP4 along D and V along tokens (E2M1 values, one E4M3 scale per 16
+    elements, round to nearest even, saturating), 128×128 tiles with key tiles in reverse
+    order, and P quantised with SageAttention3's two-level scaling (P~ = 2688·e^(s-m) per row,
+    per 16 keys a scale max(P~)/6). Needs D a multiple of 16 and Dv == D. The spec, with its
+    sources and open questions, is docs/sage_fp4.md; lse is that of the FP4 logits.
 
     Inputs: numpy arrays or CPU torch tensors (torch goes through
     torch.ops.attnkit.sage_attention). Returns out, or (out, lse) with return_lse=True.
