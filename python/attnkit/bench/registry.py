@@ -29,6 +29,9 @@ class Contender:
     ``run(inputs)`` returns the output (any array kind the op's verify/compare accepts);
     ``prepare()`` runs before each call or batch of calls (e.g. selecting an ISA) and
     ``finish()`` after it, both untimed; ``set_threads(n)`` before each thread count.
+    ``verify(ref, out)``, if set, replaces the op's verify for this contender (e.g. exact
+    peers of a quantized kernel); ``compare_to`` names the contender a non-attnkit one is
+    compared with (op.compare): None for the attnkit contender, "" for none.
     """
     name: str
     role: str  # "attnkit" (what the ratios are against), "reference" or "peer"
@@ -37,13 +40,15 @@ class Contender:
     finish: Callable[[], None] = lambda: None
     set_threads: Callable[[int], None] = lambda n: None
     note: str = ""
+    verify: Optional[Callable[[Any, Any], "Check"]] = None
+    compare_to: Optional[str] = None
 
 
 @dataclass
 class Check:
     ok: bool
     err: float            # max |out - ref| / rms(ref) (dimensionless)
-    detail: str = ""
+    detail: str = ""      # why it failed; on success, shown in the verify column if set
 
 
 @dataclass
@@ -119,6 +124,7 @@ def register(op: BenchOp) -> BenchOp:
 def load_ops() -> dict:
     from . import attention_op  # noqa: F401  (registers "attention")
     from . import sparse_mla_op  # noqa: F401  (registers "sparse_mla")
+    from . import sage_op  # noqa: F401  (registers "sage")
     return OPS
 
 

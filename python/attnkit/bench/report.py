@@ -25,6 +25,8 @@ def _num(x: float, fmt: str) -> str:
 
 def _verify(row) -> str:
     if row.status == "ok":
+        if row.detail:
+            return f"ok ({row.detail})"
         errs = [e for e in (row.err, row.peer_err) if math.isfinite(e)]
         return f"ok ({max(errs):.1e})" if errs else "ok"
     if row.status == "error":

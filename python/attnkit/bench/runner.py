@@ -170,20 +170,24 @@ def run_case(op: BenchOp, case: Case, threads: list, machine, settings: Settings
                 continue
             if c.role == "attnkit" and settings.inject_error:
                 out = op.inject_error(case, ref, out)
-            chk = op.verify(case, ref, out)
+            chk = c.verify(ref, out) if c.verify is not None else op.verify(case, ref, out)
             row.err = chk.err
             if not chk.ok:
                 row.status, row.detail = "FAILED", f"vs float64 reference: {chk.detail}"
+            else:
+                row.detail = chk.detail
             outs[c.name], est[c.name] = out, dt
         ak = next((c.name for c in contenders if c.role == "attnkit"), None)
-        ak_ok = ak is not None and next(r for r in group if r.contender == ak).status == "ok"
+        by_name = {r.contender: r for r in group}
         for c, row in zip(contenders, group):
-            if c.role == "attnkit" or row.status != "ok" or not ak_ok:
+            target = ak if c.compare_to is None else c.compare_to
+            if (c.role == "attnkit" or row.status != "ok" or not target
+                    or target not in by_name or by_name[target].status != "ok"):
                 continue
-            chk: Check = op.compare(case, outs[c.name], outs[ak])
+            chk: Check = op.compare(case, outs[c.name], outs[target])
             row.peer_err = chk.err
             if not chk.ok:
-                row.status, row.detail = "FAILED", f"vs attnkit: {chk.detail}"
+                row.status, row.detail = "FAILED", f"vs {target}: {chk.detail}"
         outs.clear()
 
         # 2. Time the verified contenders, interleaved.
