@@ -116,7 +116,9 @@ def test_fp4_reproduces_sageattention3(rng, Sq, Skv, D, causal, dtype):
     out_ulp = 2.0 ** -8 if dtype == "bfloat16" else 2.0 ** -23
     np.testing.assert_allclose(out, ref, rtol=out_ulp, atol=out_ulp * np.abs(ref).max())
     exact, exact_lse = attention_ref(q, k, v, causal=causal)
-    assert sage3.cosine_similarity(out, exact) > 0.995
+    # FP4 is coarse: on random inputs SageAttention3 itself reaches cos ~0.98-0.999 vs exact
+    # (docs/sage_fp4.md); this is a sanity bound, the reproduction check above is the test.
+    assert sage3.cosine_similarity(out, exact) > 0.98
     # lse is that of the FP4 logits: Q and K each carry ~10% element error, which moves
     # logits (and lse) by a few tenths at these sizes.
     np.testing.assert_allclose(lse, exact_lse, atol=0.5)
