@@ -21,6 +21,16 @@ def test_quick_run_verifies(shape, dtype):
     assert " ok " in res.stdout or " ok (" in res.stdout
 
 
+@pytest.mark.parametrize("args", [
+    ("--op", "sparse_mla", "--shape", "B,s_q=2,h_q=16,topk=256,s_kv=1024", "--dtype", "fp8"),
+    ("--op", "sage", "--shape", "A", "--dtype", "bfloat16"),
+])
+def test_other_ops_verify(args):
+    res = run_bench(*args, "--threads", "1", "--repeats", "1", "--budget", "1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "FAILED" not in res.stdout
+
+
 def test_wrong_result_is_reported_not_timed():
     res = run_bench("--shape", "A", "--dtype", "float32", "--threads", "1", "--repeats", "1", "--budget", "1",
                     "--inject-error")

@@ -13,20 +13,14 @@ from typing import Optional
 
 import numpy as np
 
-from .registry import BenchOp, Case, Check, Contender, Counts, attnkit_contenders, register
+from .registry import (BenchOp, Case, Check, Contender, Counts, attnkit_contenders, optional_torch,
+                       register)
 
 try:
     import ml_dtypes
 except ImportError:  # pragma: no cover
     ml_dtypes = None
 
-
-def _torch():
-    try:
-        import torch
-        return torch
-    except Exception:  # noqa: BLE001  (a broken torch install is as good as none)
-        return None
 
 
 DTYPE_ALIASES = {
@@ -196,7 +190,7 @@ class AttnInputs:
 
     def torch(self):
         if self._torch is None:
-            torch = _torch()
+            torch = optional_torch()
 
             def view(a):
                 if a.dtype == np.float32 or a.dtype == np.float16:
@@ -364,23 +358,28 @@ class AttentionOp(BenchOp):
             return attnkit.attention(x.q, x.k, x.v, causal=causal, enable_gqa=gqa)
 
         out = attnkit_contenders(run_attnkit, notes)
-        torch = _torch()
+        out += self.torch_sdpa_contender(s, notes)
+        return out, notes
+
+    @staticmethod
+    def torch_sdpa_contender(s, notes, **fields) -> list:
+        """torch's scaled_dot_product_attention on the same inputs (a list of 0 or 1);
+        `fields` go to the Contender (e.g. verify, compare_to)."""
+        torch = optional_torch()
         if torch is None:
             notes.append("torch-sdpa: skipped (torch is not importable)")
-        else:
-            sdpa = torch.nn.functional.scaled_dot_product_attention
+            return []
+        sdpa = torch.nn.functional.scaled_dot_product_attention
 
-            def run_torch(x):
-                q, k, v = x.torch()
-                with torch.no_grad():
-                    if gqa:
-                        return sdpa(q, k, v, is_causal=causal, enable_gqa=True)
-                    return sdpa(q, k, v, is_causal=causal)
+        def run_torch(x):
+            q, k, v = x.torch()
+            with torch.no_grad():
+                if s.gqa:
+                    return sdpa(q, k, v, is_causal=s.causal, enable_gqa=True)
+                return sdpa(q, k, v, is_causal=s.causal)
 
-            out.append(Contender("torch-sdpa", "peer", run_torch,
-                                 set_threads=torch.set_num_threads,
-                                 note=f"torch {torch.__version__}"))
-        return out, notes
+        return [Contender("torch-sdpa", "peer", run_torch, set_threads=torch.set_num_threads,
+                          note=f"torch {torch.__version__}", **fields)]
 
 
 register(AttentionOp())

@@ -148,3 +148,12 @@ def attnkit_contenders(run, notes: list) -> list:
                              set_threads=attnkit.set_num_threads,
                              note="attnkit's portable kernel"))
     return out
+
+
+def optional_torch():
+    """torch if it imports, else None (a broken torch install is as good as none)."""
+    try:
+        import torch
+        return torch
+    except Exception:  # noqa: BLE001
+        return None

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from .attention_op import (NAMED, AttentionOp, AttnInputs, AttnShape, _subset, _torch,
+from .attention_op import (NAMED, AttentionOp, AttnInputs, AttnShape, _subset,
                            exact_reference)
 from .registry import Check, Contender, register
 
@@ -139,23 +139,7 @@ class SageOp(AttentionOp):
                       set_threads=attnkit.set_num_threads, note=f"attnkit.attention, isa {best}",
                       verify=exact_verify, compare_to=""),
         ]
-        torch = _torch()
-        if torch is None:
-            notes.append("torch-sdpa: skipped (torch is not importable)")
-        else:
-            sdpa = torch.nn.functional.scaled_dot_product_attention
-
-            def run_torch(x):
-                q, k, v = x.torch()
-                with torch.no_grad():
-                    if gqa:
-                        return sdpa(q, k, v, is_causal=causal, enable_gqa=True)
-                    return sdpa(q, k, v, is_causal=causal)
-
-            out.append(Contender("torch-sdpa", "peer", run_torch,
-                                 set_threads=torch.set_num_threads,
-                                 note=f"torch {torch.__version__}", verify=exact_verify,
-                                 compare_to="attnkit-exact"))
+        out += self.torch_sdpa_contender(s, notes, verify=exact_verify, compare_to="attnkit-exact")
         return out, notes
 
     # --- --accuracy -------------------------------------------------------------------------

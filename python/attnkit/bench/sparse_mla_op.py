@@ -17,20 +17,14 @@ from typing import Optional
 
 import numpy as np
 
-from .registry import BenchOp, Case, Check, Contender, Counts, attnkit_contenders, register
+from .registry import (BenchOp, Case, Check, Contender, Counts, attnkit_contenders, optional_torch,
+                       register)
 
 try:
     import ml_dtypes
 except ImportError:  # pragma: no cover
     ml_dtypes = None
 
-
-def _torch():
-    try:
-        import torch
-        return torch
-    except Exception:  # noqa: BLE001  (a broken torch install is as good as none)
-        return None
 
 
 FP8, BF16 = "float8_e4m3fn", "bfloat16"
@@ -158,7 +152,7 @@ class SparseInputs:
 
     def torch(self):
         if self._torch is None:
-            torch = _torch()
+            torch = optional_torch()
 
             def view(a):
                 if a.dtype == np.int32:
@@ -418,7 +412,7 @@ class SparseMlaOp(BenchOp):
                                                   q_scale=x.q_scale, kv_scale=x.kv_scale)
 
         out = attnkit_contenders(run_attnkit, notes)
-        torch = _torch()
+        torch = optional_torch()
         if torch is None:
             notes.append("torch-ref: skipped (torch is not importable)")
         elif not hasattr(torch, "float8_e4m3fn") and case.dtype == FP8:
