@@ -1,14 +1,15 @@
-// Dense attention forward on the CPU: the flash-style tile loop. One task is a block of
-// query rows sharing one kv head (the GQA group's heads × a run of query positions). Per
-// K/V tile of kKvTile keys it computes Sᵀ = K · Qᵀ (keys × rows, so the softmax runs down
-// columns with rows as the SIMD axis), the online softmax, and O += P · V. fp32 K and V
-// with unit inner stride are read in place; other dtypes are converted once per tile and
-// used by every row of the task. Scores never exceed one tile. Compiled once per ISA.
+// Dense (and quantized) attention forward on the CPU: the flash-style tile loop. One task
+// is a block of query rows sharing one kv head (the GQA group's heads × a run of query
+// positions). Per K/V tile of kKvTile keys it computes Sᵀ = K · Qᵀ (keys × rows, so the
+// softmax runs down columns with rows as the SIMD axis), the online softmax, and
+// O += P · V. K and V are converted once per tile and used by every row of the task (fp32
+// V with unit stride is read in place). Sᵀ has four sources: the fp32 gemm, the row-dot
+// kernel for decode, bf16 pairs (vdpbf16ps) for bf16 inputs on avx512bf16, and int8 codes
+// for sage_attention; masks, softmax, splits and the epilogue are shared. Scores never
+// exceed one tile. Compiled once per ISA.
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
-#include <new>
 
 #include "core/philox.h"
 #include "core/thread_pool.h"
@@ -54,7 +55,8 @@ struct Plan {
   bool bf16_dot;                // bf16 inputs on avx512bf16: K·Qᵀ with vdpbf16ps
   bool int8;                    // sage int8 mode: K·Qᵀ on int8 codes
   bool pv_bf16;                 // sage int8 mode on avx512bf16: P·V on bf16 pairs
-  bool k_in_place, v_in_place;  // fp32 rows with unit stride need no packing
+  bool k_in_place;              // row-dot reads K rows with unit stride as they are
+  bool v_in_place;              // fp32 V rows with unit stride need no packing
 
   Plan(const AttentionParams& p, bool int8_mode) {
     int8 = int8_mode;
@@ -235,15 +237,9 @@ class AttentionTask {
         }
       } else if (plan_.bf16_dot) {  // Sᵀ = K · Qᵀ on bf16 pairs, then the scale
         qk_bf16(ksrc, bc, w);
-      } else {  // Sᵀ = K · Qᵀ
-        const float* k = w.k;
-        int64_t ldk = p_.D;
-        if (plan_.k_in_place) {
-          k = reinterpret_cast<const float*>(ksrc), ldk = p_.k_stride[2];
-        } else {
-          pack_rows(ksrc, p_.k_stride[2], p_.k_stride[3], bc, p_.D, p_.D, w.k);
-        }
-        gemm<kWideRows, kWideVecs>(bc, ld, p_.D, k, ldk, 1, w.qt, ld, w.st, ld, false);
+      } else {  // Sᵀ = K · Qᵀ, K packed (broadcasts from K in place stalled on L3)
+        pack_rows(ksrc, p_.k_stride[2], p_.k_stride[3], bc, p_.D, p_.D, w.k);
+        gemm<kWideRows, kWideVecs>(bc, ld, p_.D, w.k, p_.D, 1, w.qt, ld, w.st, ld, false);
       }
       apply_masks(rb, j0, bc, w.st);
       online_softmax_tile(w.st, bc, ld, ld, w.m, w.l, w.alpha);
