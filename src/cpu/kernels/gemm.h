@@ -4,11 +4,10 @@
 // transposed once per task) and O += P · V with P read from Sᵀ through its strides.
 #pragma once
 
-#include <array>
 #include <cstdint>
-#include <utility>
 
 #include "cpu/kernels/simd.h"
+#include "cpu/kernels/tiling.h"
 
 namespace attnkit::cpu::ATTNKIT_ISA {
 
@@ -52,21 +51,9 @@ void gemm_tile(int64_t k, const float* a, int64_t lda, int64_t a_step, const flo
   }
 }
 
-using GemmTileFn = void (*)(int64_t, const float*, int64_t, int64_t, const float*, int64_t, float*,
-                            int64_t, bool);
-
-// gemm_tile<mr, nv> for every 1 <= mr <= MR, 1 <= nv <= NV: the full tile and its edges.
-template <int MR, int NV>
-struct GemmTiles {
-  template <int R, int... V>
-  static constexpr auto row(std::integer_sequence<int, V...>) {
-    return std::array<GemmTileFn, NV>{&gemm_tile<R, V + 1>...};
-  }
-  template <int... R>
-  static constexpr auto all(std::integer_sequence<int, R...>) {
-    return std::array{row<R + 1>(std::make_integer_sequence<int, NV>{})...};
-  }
-  static constexpr auto table = all(std::make_integer_sequence<int, MR>{});
+struct GemmKernel {
+  template <int MR, int NV>
+  static constexpr auto tile = &gemm_tile<MR, NV>;
 };
 
 // c[m][n] (+)= a[m][k] · b[k][n] with a(i, p) = a[i * lda + p * a_step], in MR × NV-vector
@@ -74,14 +61,9 @@ struct GemmTiles {
 template <int MR, int NV>
 void gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, int64_t a_step,
           const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
-  for (int64_t n0 = 0; n0 < n; n0 += NV * kLanes) {
-    const int64_t nv = (n - n0) / kLanes < NV ? (n - n0) / kLanes : NV;
-    for (int64_t m0 = 0; m0 < m; m0 += MR) {
-      const int64_t mr = m - m0 < MR ? m - m0 : MR;
-      GemmTiles<MR, NV>::table[mr - 1][nv - 1](k, a + m0 * lda, lda, a_step, b + n0, ldb,
-                                               c + m0 * ldc + n0, ldc, accumulate);
-    }
-  }
+  for_each_tile<GemmKernel, MR, NV>(m, n, kLanes, [&](auto tile, int64_t m0, int64_t n0) {
+    tile(k, a + m0 * lda, lda, a_step, b + n0, ldb, c + m0 * ldc + n0, ldc, accumulate);
+  });
 }
 
 }  // namespace attnkit::cpu::ATTNKIT_ISA

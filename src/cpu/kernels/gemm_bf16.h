@@ -7,12 +7,11 @@
 
 #if defined(ATTNKIT_ISA_avx512bf16)
 
-#include <array>
 #include <cstdint>
 #include <cstring>
-#include <utility>
 
 #include "cpu/kernels/simd.h"
+#include "cpu/kernels/tiling.h"
 
 namespace attnkit::cpu::ATTNKIT_ISA {
 
@@ -45,34 +44,18 @@ void gemm_bf16_tile(int64_t k_pairs, const uint32_t* a, int64_t lda, int64_t a_s
   }
 }
 
-using GemmBf16TileFn = void (*)(int64_t, const uint32_t*, int64_t, int64_t, const uint32_t*, int64_t, float*,
-                                int64_t, bool);
-
-template <int MR, int NV>
-struct GemmBf16Tiles {
-  template <int R, int... V>
-  static constexpr auto row(std::integer_sequence<int, V...>) {
-    return std::array<GemmBf16TileFn, NV>{&gemm_bf16_tile<R, V + 1>...};
-  }
-  template <int... R>
-  static constexpr auto all(std::integer_sequence<int, R...>) {
-    return std::array{row<R + 1>(std::make_integer_sequence<int, NV>{})...};
-  }
-  static constexpr auto table = all(std::make_integer_sequence<int, MR>{});
+struct GemmBf16Kernel {
+  template <int MR, int NV>
+  static constexpr auto tile = &gemm_bf16_tile<MR, NV>;
 };
 
 // c[m][n] (+)= A · B over k_pairs bf16 pairs; n a multiple of 16 (callers pad).
 template <int MR, int NV>
 void gemm_bf16(int64_t m, int64_t n, int64_t k_pairs, const uint32_t* a, int64_t lda, int64_t a_step,
                const uint32_t* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
-  for (int64_t n0 = 0; n0 < n; n0 += NV * 16) {
-    const int64_t nv = (n - n0) / 16 < NV ? (n - n0) / 16 : NV;
-    for (int64_t m0 = 0; m0 < m; m0 += MR) {
-      const int64_t mr = m - m0 < MR ? m - m0 : MR;
-      GemmBf16Tiles<MR, NV>::table[mr - 1][nv - 1](k_pairs, a + m0 * lda, lda, a_step, b + n0, ldb,
-                                                   c + m0 * ldc + n0, ldc, accumulate);
-    }
-  }
+  for_each_tile<GemmBf16Kernel, MR, NV>(m, n, 16, [&](auto tile, int64_t m0, int64_t n0) {
+    tile(k_pairs, a + m0 * lda, lda, a_step, b + n0, ldb, c + m0 * ldc + n0, ldc, accumulate);
+  });
 }
 
 typedef uint32_t vuint __attribute__((vector_size(64)));

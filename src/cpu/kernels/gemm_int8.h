@@ -6,11 +6,10 @@
 
 #if defined(ATTNKIT_ISA_avx512bf16)
 
-#include <array>
 #include <cstdint>
-#include <utility>
 
 #include "cpu/kernels/simd.h"
+#include "cpu/kernels/tiling.h"
 
 namespace attnkit::cpu::ATTNKIT_ISA {
 
@@ -43,31 +42,18 @@ void gemm_u8s8_tile(int64_t k_quads, const uint32_t* a, int64_t lda, const uint3
   }
 }
 
-template <int MR, int NV>
-struct GemmU8S8Tiles {
-  using Fn = void (*)(int64_t, const uint32_t*, int64_t, const uint32_t*, int64_t, int32_t*, int64_t);
-  template <int R, int... V>
-  static constexpr auto row(std::integer_sequence<int, V...>) {
-    return std::array<Fn, NV>{&gemm_u8s8_tile<R, V + 1>...};
-  }
-  template <int... R>
-  static constexpr auto all(std::integer_sequence<int, R...>) {
-    return std::array{row<R + 1>(std::make_integer_sequence<int, NV>{})...};
-  }
-  static constexpr auto table = all(std::make_integer_sequence<int, MR>{});
+struct GemmU8S8Kernel {
+  template <int MR, int NV>
+  static constexpr auto tile = &gemm_u8s8_tile<MR, NV>;
 };
 
 // c[m][n] = A · B over k_quads quads; n a multiple of 16 (callers pad).
 template <int MR, int NV>
 void gemm_u8s8(int64_t m, int64_t n, int64_t k_quads, const uint32_t* a, int64_t lda, const uint32_t* b,
                int64_t ldb, int32_t* c, int64_t ldc) {
-  for (int64_t n0 = 0; n0 < n; n0 += NV * 16) {
-    const int64_t nv = (n - n0) / 16 < NV ? (n - n0) / 16 : NV;
-    for (int64_t m0 = 0; m0 < m; m0 += MR) {
-      const int64_t mr = m - m0 < MR ? m - m0 : MR;
-      GemmU8S8Tiles<MR, NV>::table[mr - 1][nv - 1](k_quads, a + m0 * lda, lda, b + n0, ldb, c + m0 * ldc + n0, ldc);
-    }
-  }
+  for_each_tile<GemmU8S8Kernel, MR, NV>(m, n, 16, [&](auto tile, int64_t m0, int64_t n0) {
+    tile(k_quads, a + m0 * lda, lda, b + n0, ldb, c + m0 * ldc + n0, ldc);
+  });
 }
 
 }  // namespace attnkit::cpu::ATTNKIT_ISA
