@@ -60,6 +60,11 @@ attnkit::Layout parse_layout(const std::string& layout) {
   throw attnkit::Error("layout must be \"BHSD\" or \"BSHD\", got \"" + layout + "\"");
 }
 
+attnkit::Causal parse_causal(int causal) {
+  if (causal < 0 || causal > 2) throw attnkit::Error("causal: expected 0, 1 or 2");
+  return static_cast<attnkit::Causal>(causal);
+}
+
 void attention(const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
                const std::optional<OutArray>& lse, const std::optional<InArray>& attn_mask, int causal,
                std::optional<double> scale, double dropout_p, std::optional<uint64_t> seed,
@@ -71,8 +76,7 @@ void attention(const InArray& q, const InArray& k, const InArray& v, const OutAr
   args.out = to_view(out, "out");
   args.lse = to_view(lse, "lse");
   args.attn_mask = to_view(attn_mask, "attn_mask");
-  if (causal < 0 || causal > 2) throw attnkit::Error("causal: expected 0, 1 or 2");
-  args.causal = static_cast<attnkit::Causal>(causal);
+  args.causal = parse_causal(causal);
   args.scale = scale;
   args.dropout_p = dropout_p;
   args.seed = seed;
@@ -124,8 +128,7 @@ void sage_attention(const InArray& q, const InArray& k, const InArray& v, const 
   args.v = to_view(v, "v");
   args.out = to_view(out, "out");
   args.lse = to_view(lse, "lse");
-  if (causal < 0 || causal > 2) throw attnkit::Error("causal: expected 0, 1 or 2");
-  args.causal = static_cast<attnkit::Causal>(causal);
+  args.causal = parse_causal(causal);
   args.scale = scale;
   args.layout = parse_layout(layout);
   if (mode == "int8") {

@@ -33,6 +33,12 @@ constexpr int64_t kMinParallelTasks = 16;  // fewer row blocks than this: split 
 // Query rows per task (heads of a group × positions): a multiple of 16 (the Kᵀ·Q tile's
 // columns) and of 6 (the P·V tile's rows on AVX-512), measured best of 48, 64 and 96.
 constexpr int64_t kRowTarget = 48;
+// Whether this variant has the bf16 and int8 dot-product instructions (vdpbf16ps, vpdpbusd).
+#if defined(ATTNKIT_ISA_avx512bf16)
+constexpr bool kDotProducts = true;
+#else
+constexpr bool kDotProducts = false;
+#endif
 
 // K and V prepared once per call for sage int8 mode (prepare_sage): K smoothed by its
 // per-head mean over tokens (softmax is invariant to it; lse is corrected), then int8 with
@@ -84,13 +90,8 @@ struct Plan {
     d_pad = round_up(p.D, kLanes);
     dv_pad = round_up(p.Dv, kLanes);
     row_dot = !int8 && rows <= kMaxDotRows && 2 * rows <= kLanes;
-#if defined(ATTNKIT_ISA_avx512bf16)
-    bf16_dot = !int8 && p.dtype == DType::bfloat16 && !row_dot;
-    pv_bf16 = int8;
-#else
-    bf16_dot = false;
-    pv_bf16 = false;
-#endif
+    bf16_dot = kDotProducts && !int8 && p.dtype == DType::bfloat16 && !row_dot;
+    pv_bf16 = kDotProducts && int8;
     k_in_place = p.k_stride[3] == 1 && row_dot;
     v_in_place = p.dtype == DType::float32 && p.v_stride[3] == 1 && p.Dv == dv_pad;
     workspace_floats = d_pad * rows_pad            // Qᵀ (or Q rows), scaled
@@ -595,10 +596,9 @@ template <DType T>
 void run_sage_int8(const AttentionParams& p) {
   const int64_t quads = (p.D + 3) / 4, tiles = (p.Skv + kKvTile - 1) / kKvTile;
   const int64_t dv_pad = round_up(p.Dv, kLanes);
-  const bool pv_pairs = Plan(p, true).pv_bf16;
   AlignedBuffer<uint8_t> codes(p.B * p.Hkv * p.Skv * 4 * quads);
   AlignedBuffer<float> scale(p.B * p.Hkv * tiles), mean(p.B * p.Hkv * p.D);
-  AlignedBuffer<uint32_t> v_pairs(pv_pairs ? p.B * p.Hkv * ((p.Skv + 1) / 2) * dv_pad : 0);
+  AlignedBuffer<uint32_t> v_pairs(kDotProducts ? p.B * p.Hkv * ((p.Skv + 1) / 2) * dv_pad : 0);
   prepare_sage<T>(p, codes.data, scale.data, mean.data, v_pairs.data, quads, tiles, dv_pad);
   const QuantizedKeys kq{codes.data, scale.data, mean.data, v_pairs.data, quads, tiles};
   run_attention<T>(p, &kq);
