@@ -30,6 +30,7 @@ namespace {
 constexpr int64_t kKvTile = 128;    // keys per tile (a multiple of 4: one dropout draw per 4 keys)
 constexpr int64_t kMinSplitTiles = 4;      // a kv split covers at least this many tiles
 constexpr int64_t kMinParallelTasks = 16;  // fewer row blocks than this: split the keys
+constexpr int64_t kPrefetchRows = 32;      // packing asks for the row this far ahead (flat 16..64)
 // Query rows per task (heads of a group × positions): a multiple of 16 (the Kᵀ·Q tile's
 // columns) and of 6 (the P·V tile's rows on AVX-512), measured best of 48, 64 and 96.
 constexpr int64_t kRowTarget = 48;
@@ -57,12 +58,14 @@ struct Plan {
   int64_t heads_per_task, positions_per_task, head_chunks, q_blocks, row_blocks;
   int64_t kv_splits, kv_split_len, tasks;  // tasks = row_blocks * kv_splits
   int64_t rows_pad, d_pad, dv_pad, workspace_floats, partial_floats;
-  bool row_dot;                 // few rows: dot each key with each row (no row padding)
+  int64_t pairs_pad;            // bf16 pairs per Q/K row on the decode bf16 path (16 per vector)
+  bool row_dot;                 // few rows (decode): attend_rows, scores row-major
   bool bf16_dot;                // bf16 inputs on avx512bf16: K·Qᵀ with vdpbf16ps
   bool int8;                    // sage int8 mode: K·Qᵀ on int8 codes
   bool pv_bf16;                 // sage int8 mode on avx512bf16: P·V on bf16 pairs
-  bool k_in_place;              // row-dot reads K rows with unit stride as they are
+  bool k_in_place;              // row-dot reads fp32 K rows of unit stride as they are
   bool v_in_place;              // fp32 V rows with unit stride need no packing
+  bool v_split_bf16;            // bf16 V rows read in place by the P·V tile; O in split order
 
   Plan(const AttentionParams& p, bool int8_mode) {
     int8 = int8_mode;
@@ -89,15 +92,17 @@ struct Plan {
     rows_pad = round_up(rows, kLanes);
     d_pad = round_up(p.D, kLanes);
     dv_pad = round_up(p.Dv, kLanes);
+    pairs_pad = round_up((p.D + 1) / 2, 16);
     row_dot = !int8 && rows <= kMaxDotRows && 2 * rows <= kLanes;
-    bf16_dot = kDotProducts && !int8 && p.dtype == DType::bfloat16 && !row_dot;
+    bf16_dot = kDotProducts && !int8 && p.dtype == DType::bfloat16;
     pv_bf16 = kDotProducts && int8;
-    k_in_place = p.k_stride[3] == 1 && row_dot;
+    k_in_place = p.dtype == DType::float32 && p.k_stride[3] == 1 && p.D == d_pad && row_dot;
     v_in_place = p.dtype == DType::float32 && p.v_stride[3] == 1 && p.Dv == dv_pad;
+    v_split_bf16 = p.dtype == DType::bfloat16 && p.v_stride[3] == 1 && p.Dv % (2 * kLanes) == 0 && row_dot;
     workspace_floats = d_pad * rows_pad            // Qᵀ (or Q rows), scaled
                        + rows_pad * dv_pad         // output accumulators
                        + kKvTile * rows_pad        // Sᵀ, then Pᵀ
-                       + kKvTile * p.D             // K tile (when packed)
+                       + kKvTile * d_pad           // K tile (when packed)
                        + kKvTile * dv_pad          // V tile (when packed)
                        + 5 * rows_pad;             // running max, sum, rescale; int8 q scale, sum
     partial_floats = kv_splits > 1 ? rows_pad * (dv_pad + 2) : 0;  // o, m, l of one split
@@ -112,7 +117,7 @@ struct Workspace {
     o = qt + plan.d_pad * plan.rows_pad;
     st = o + plan.rows_pad * plan.dv_pad;
     k = st + kKvTile * plan.rows_pad;
-    v = k + kKvTile * p.D;
+    v = k + kKvTile * plan.d_pad;
     m = v + kKvTile * plan.dv_pad;
     l = m + plan.rows_pad;
     alpha = l + plan.rows_pad;
@@ -125,6 +130,14 @@ struct Workspace {
 // Row r is head h0 + r / nq at position i0 + r % nq.
 struct RowBlock {
   int64_t b, kvh, h0, nh, i0, nq, rows;
+};
+
+// A tile of scores, key j of row r at s[j * key_stride + r * row_stride]: transposed (Sᵀ,
+// rows along the lanes) in the tile loop, row-major (keys along the lanes) for decode.
+struct Scores {
+  float* s;
+  int64_t key_stride, row_stride;
+  float& at(int64_t r, int64_t j) const { return s[j * key_stride + r * row_stride]; }
 };
 
 template <DType T>
@@ -168,7 +181,7 @@ class AttentionTask {
     const int64_t end = begin + plan_.kv_split_len < kv_end ? begin + plan_.kv_split_len : kv_end;
     attend(rb, begin, end, w);
     if (plan_.kv_splits == 1) {
-      write_out(rb, w.o, w.m, w.l);
+      write_out(rb, w.o, w.m, w.l, w.v);
       return;
     }
     float* slot = partial + task * plan_.partial_floats;
@@ -203,17 +216,17 @@ class AttentionTask {
       w.m[r] = mx;
       w.l[r] = l;
     }
-    write_out(rb, w.o, w.m, w.l);
+    write_out(rb, w.o, w.m, w.l, w.v);
   }
 
  private:
   // Runs keys [begin, end) through the tile loop, leaving the rows' state in w.o, w.m, w.l.
   void attend(const RowBlock& rb, int64_t begin, int64_t end, const Workspace& w) const {
+    if (plan_.row_dot) return attend_rows(rb, begin, end, w);
     const int64_t ld = plan_.rows_pad;
+    const Scores scores{w.st, ld, 1};
     if (plan_.int8) {
       pack_q_int8(rb, w);
-    } else if (plan_.row_dot) {
-      pack_q_rows(rb, w.qt);
     } else if (plan_.bf16_dot) {
       pack_qt_pairs(rb, reinterpret_cast<uint32_t*>(w.qt));
     } else {
@@ -229,39 +242,94 @@ class AttentionTask {
       const E* ksrc = kbase + j0 * p_.k_stride[2];
       if (plan_.int8) {  // Sᵀ = K · Qᵀ on int8 codes, dequantised
         qk_int8(rb, j0, bc, w);
-      } else if (plan_.row_dot) {  // Sᵀ[j][r] = K[j] · Q[r]
-        if (plan_.k_in_place) {
-          dot_rows<T>(rb.rows, bc, p_.D, ksrc, p_.k_stride[2], w.qt, plan_.d_pad, w.st, ld);
-        } else {
-          pack_rows(ksrc, p_.k_stride[2], p_.k_stride[3], bc, p_.D, p_.D, w.k);
-          dot_rows<DType::float32>(rb.rows, bc, p_.D, w.k, p_.D, w.qt, plan_.d_pad, w.st, ld);
-        }
       } else if (plan_.bf16_dot) {  // Sᵀ = K · Qᵀ on bf16 pairs, then the scale
         qk_bf16(ksrc, bc, w);
       } else {  // Sᵀ = K · Qᵀ, K packed (broadcasts from K in place stalled on L3)
         pack_rows(ksrc, p_.k_stride[2], p_.k_stride[3], bc, p_.D, p_.D, w.k);
         gemm<kWideRows, kWideVecs>(bc, ld, p_.D, w.k, p_.D, 1, w.qt, ld, w.st, ld, false);
       }
-      apply_masks(rb, j0, bc, w.st);
+      apply_masks(rb, j0, bc, scores);
       online_softmax_tile(w.st, bc, ld, ld, w.m, w.l, w.alpha);
-      for (int64_t r = 0; r < rb.rows; ++r) {
-        if (w.alpha[r] != 1.0f) scale_row(w.o + r * plan_.dv_pad, plan_.dv_pad, w.alpha[r]);
-      }
-      if (p_.dropout_p > 0.0f) apply_dropout(rb, j0, bc, w.st);
+      rescale_output(rb, w);
+      if (p_.dropout_p > 0.0f) apply_dropout(rb, j0, bc, scores);
       if (plan_.pv_bf16) {
         pv_bf16(rb, j0, bc, w);
-        continue;
-      }
-      const float* v = w.v;
-      int64_t ldv = plan_.dv_pad;
-      if (plan_.v_in_place) {
-        v = reinterpret_cast<const float*>(vbase + j0 * p_.v_stride[2]), ldv = p_.v_stride[2];
       } else {
-        pack_rows(vbase + j0 * p_.v_stride[2], p_.v_stride[2], p_.v_stride[3], bc, p_.Dv, plan_.dv_pad, w.v);
+        accumulate_pv(rb, vbase, j0, bc, scores, w);
       }
-      gemm<kTallRows, kTallVecs>(rb.rows, plan_.dv_pad, bc, w.st, 1, ld, v, ldv, w.o, plan_.dv_pad,
-                                 true);  // O += P · V
     }
+  }
+
+  // Decode: few rows, so keys go in blocks of kLanes, scores row-major (one vector per row,
+  // no padded rows). Reading a small block of K, then of V, keeps both streams going.
+  void attend_rows(const RowBlock& rb, int64_t begin, int64_t end, const Workspace& w) const {
+    const int64_t ld = kLanes;
+    const Scores scores{w.st, 1, ld};
+    if (plan_.bf16_dot) {
+      pack_q_row_pairs(rb, reinterpret_cast<uint32_t*>(w.qt));
+    } else {
+      pack_q_rows(rb, w.qt);
+    }
+    std::memset(w.o, 0, sizeof(float) * rb.rows * plan_.dv_pad);
+    for (int64_t r = 0; r < rb.rows; ++r) w.m[r] = -INFINITY, w.l[r] = 0.0f;
+
+    const E* kbase = static_cast<const E*>(p_.k) + rb.b * p_.k_stride[0] + rb.kvh * p_.k_stride[1];
+    const E* vbase = static_cast<const E*>(p_.v) + rb.b * p_.v_stride[0] + rb.kvh * p_.v_stride[1];
+    for (int64_t j0 = begin; j0 < end; j0 += kLanes) {
+      const int64_t bc = end - j0 < kLanes ? end - j0 : kLanes;
+      const E* ksrc = kbase + j0 * p_.k_stride[2];
+      const E* vsrc = vbase + j0 * p_.v_stride[2];
+      // K and V rows kPrefetchRows ahead into L2, alternating: decode streams both from
+      // memory, and two streams interleaved this finely read faster here than one at a time.
+      for (int64_t j = kPrefetchRows; j < kPrefetchRows + kLanes; ++j) {
+        prefetch_bytes(ksrc, j * p_.k_stride[2] * int64_t{sizeof(E)}, p_.D * int64_t{sizeof(E)}, Cache::l2);
+        prefetch_bytes(vsrc, j * p_.v_stride[2] * int64_t{sizeof(E)}, p_.Dv * int64_t{sizeof(E)}, Cache::l2);
+      }
+      if (plan_.bf16_dot) {
+        qk_rows_bf16(rb, ksrc, bc, w);
+      } else if (plan_.k_in_place && bc == kLanes) {
+        dot_key_block(rb.rows, p_.D, reinterpret_cast<const float*>(ksrc), p_.k_stride[2], w.qt, plan_.d_pad, w.st, ld);
+      } else {
+        pack_rows(ksrc, p_.k_stride[2], p_.k_stride[3], bc, p_.D, plan_.d_pad, w.k);
+        std::memset(w.k + bc * plan_.d_pad, 0, sizeof(float) * (kLanes - bc) * plan_.d_pad);
+        dot_key_block(rb.rows, plan_.d_pad, w.k, plan_.d_pad, w.qt, plan_.d_pad, w.st, ld);
+      }
+      for (int64_t r = 0; r < rb.rows; ++r) {  // keys past the block's end
+        for (int64_t j = bc; j < kLanes; ++j) w.st[r * ld + j] = -INFINITY;
+      }
+      apply_masks(rb, j0, bc, scores);
+      online_softmax_rows(w.st, kLanes, ld, rb.rows, w.m, w.l, w.alpha);
+      rescale_output(rb, w);
+      if (p_.dropout_p > 0.0f) apply_dropout(rb, j0, bc, scores);
+      accumulate_pv(rb, vbase, j0, bc, scores, w);
+    }
+  }
+
+  // O *= alpha, row by row, where the running max moved.
+  void rescale_output(const RowBlock& rb, const Workspace& w) const {
+    for (int64_t r = 0; r < rb.rows; ++r) {
+      if (w.alpha[r] != 1.0f) scale_row(w.o + r * plan_.dv_pad, plan_.dv_pad, w.alpha[r]);
+    }
+  }
+
+  // O += P · V for keys j0 .. j0+bc-1, V read in place (fp32, unit stride) or packed.
+  void accumulate_pv(const RowBlock& rb, const E* vbase, int64_t j0, int64_t bc, const Scores& p,
+                     const Workspace& w) const {
+    if (plan_.v_split_bf16) {
+      gemm<kTallRows, kTallVecs>(rb.rows, plan_.dv_pad, bc, p.s, p.row_stride, p.key_stride,
+                                 reinterpret_cast<const uint16_t*>(vbase + j0 * p_.v_stride[2]), p_.v_stride[2], w.o,
+                                 plan_.dv_pad, true);
+      return;
+    }
+    const float* v = w.v;
+    int64_t ldv = plan_.dv_pad;
+    if (plan_.v_in_place) {
+      v = reinterpret_cast<const float*>(vbase + j0 * p_.v_stride[2]), ldv = p_.v_stride[2];
+    } else {
+      pack_rows(vbase + j0 * p_.v_stride[2], p_.v_stride[2], p_.v_stride[3], bc, p_.Dv, plan_.dv_pad, w.v);
+    }
+    gemm<kTallRows, kTallVecs>(rb.rows, plan_.dv_pad, bc, p.s, p.row_stride, p.key_stride, v, ldv, w.o,
+                               plan_.dv_pad, true);
   }
 
 #if defined(ATTNKIT_ISA_avx512bf16)
@@ -297,9 +365,44 @@ class AttentionTask {
     for (int64_t i = 0; i < bc * ld; i += kLanes) vstore(w.st + i, vload(w.st + i) * scale);
   }
 
+  // Decode: Q rows as bf16 pairs [rows][pairs_pad], unscaled, zero-padded.
+  void pack_q_row_pairs(const RowBlock& rb, uint32_t* qp) const {
+    const uint16_t* base = static_cast<const uint16_t*>(p_.q) + rb.b * p_.q_stride[0];
+    std::memset(qp, 0, sizeof(uint32_t) * rb.rows * plan_.pairs_pad);
+    for (int64_t r = 0; r < rb.rows; ++r) {
+      const uint16_t* src = base + (rb.h0 + r / rb.nq) * p_.q_stride[1] + (rb.i0 + r % rb.nq) * p_.q_stride[2];
+      pack_pairs(src, p_.q_stride[3], qp + r * plan_.pairs_pad);
+    }
+  }
+
+  // Decode: S[r][j] = K[j] · Q[r] on bf16 pairs for one block of keys, read in place when
+  // whole pairs of each row can be loaded as they are, then S *= scale.
+  void qk_rows_bf16(const RowBlock& rb, const E* ksrc, int64_t bc, const Workspace& w) const {
+    const uint32_t* keys = reinterpret_cast<const uint32_t*>(ksrc);
+    int64_t ldk = p_.k_stride[2] / 2;
+    if (!(bc == kLanes && p_.k_stride[3] == 1 && p_.k_stride[2] % 2 == 0 && p_.D == 2 * plan_.pairs_pad)) {
+      uint32_t* kp = reinterpret_cast<uint32_t*>(w.k);
+      std::memset(kp, 0, sizeof(uint32_t) * kLanes * plan_.pairs_pad);
+      const uint16_t* k16 = reinterpret_cast<const uint16_t*>(ksrc);  // E is bf16 on this path
+      for (int64_t j = 0; j < bc; ++j) pack_pairs(k16 + j * p_.k_stride[2], p_.k_stride[3], kp + j * plan_.pairs_pad);
+      keys = kp, ldk = plan_.pairs_pad;
+    }
+    dot_key_block_bf16(rb.rows, plan_.pairs_pad, keys, ldk, reinterpret_cast<const uint32_t*>(w.qt),
+                       plan_.pairs_pad, w.st, kLanes);
+    const vfloat scale = vbroadcast(p_.scale);
+    for (int64_t r = 0; r < rb.rows; ++r) vstore(w.st + r * kLanes, vload(w.st + r * kLanes) * scale);
+  }
+
+  // D elements at src (stride `stride`) as bf16 pairs; odd D ends with a zero.
+  void pack_pairs(const uint16_t* src, int64_t stride, uint32_t* dst) const {
+    for (int64_t d = 0; d < p_.D; d += 2) dst[d / 2] = pair(src[d * stride], d + 1 < p_.D ? src[(d + 1) * stride] : 0);
+  }
+
 #else
   void pack_qt_pairs(const RowBlock&, uint32_t*) const {}
   void qk_bf16(const E*, int64_t, const Workspace&) const {}
+  void pack_q_row_pairs(const RowBlock&, uint32_t*) const {}
+  void qk_rows_bf16(const RowBlock&, const E*, int64_t, const Workspace&) const {}
 #endif
 
   // Sage int8: Q rows quantised to int8 with one scale per row (the softmax scale folded
@@ -437,11 +540,10 @@ private:
     }
   }
 
-  // The causal limit and the user mask on Sᵀ[j][r], as -inf or an additive bias.
-  void apply_masks(const RowBlock& rb, int64_t j0, int64_t bc, float* st) const {
+  // The causal limit and the user mask on the scores, as -inf or an additive bias.
+  void apply_masks(const RowBlock& rb, int64_t j0, int64_t bc, const Scores& st) const {
     const bool causal_cut = p_.causal && j0 + bc - 1 > rb.i0 + p_.causal_offset;
     if (!causal_cut && !p_.mask) return;
-    const int64_t ld = plan_.rows_pad;
     for (int64_t r = 0; r < rb.rows; ++r) {
       const int64_t h = rb.h0 + r / rb.nq, i = rb.i0 + r % rb.nq;
       int64_t visible = bc;  // keys j0 + [0, visible) pass the causal limit
@@ -449,11 +551,11 @@ private:
         const int64_t limit = i + p_.causal_offset - j0 + 1;
         visible = limit < 0 ? 0 : (limit < bc ? limit : bc);
       }
-      for (int64_t jj = visible; jj < bc; ++jj) st[jj * ld + r] = -INFINITY;
+      for (int64_t jj = visible; jj < bc; ++jj) st.at(r, jj) = -INFINITY;
       if (p_.mask) {
         const int64_t row_off = rb.b * p_.mask_stride[0] + h * p_.mask_stride[1] + i * p_.mask_stride[2];
         for (int64_t jj = 0; jj < visible; ++jj) {
-          st[jj * ld + r] += load_mask(p_.mask_dtype, p_.mask, row_off + (j0 + jj) * p_.mask_stride[3]);
+          st.at(r, jj) += load_mask(p_.mask_dtype, p_.mask, row_off + (j0 + jj) * p_.mask_stride[3]);
         }
       }
     }
@@ -461,16 +563,15 @@ private:
 
   // Zeroes dropped probabilities and scales kept ones by 1 / (1 - p); the row sums already
   // hold the undropped softmax, which normalises the output as in SDPA.
-  void apply_dropout(const RowBlock& rb, int64_t j0, int64_t bc, float* pt) const {
+  void apply_dropout(const RowBlock& rb, int64_t j0, int64_t bc, const Scores& pt) const {
     const uint32_t threshold = detail::dropout_threshold(p_.dropout_p);
     const float keep_scale = 1.0f / (1.0f - p_.dropout_p);
-    const int64_t ld = plan_.rows_pad;
     for (int64_t r = 0; r < rb.rows; ++r) {
       const int64_t h = rb.h0 + r / rb.nq, i = rb.i0 + r % rb.nq;
       for (int64_t jj = 0; jj < bc; jj += 4) {  // j0 is a multiple of 4: one draw per 4 keys
         const auto bits = detail::dropout_bits(p_.seed, rb.b, h, i, j0 + jj);
         for (int64_t k = 0; k < 4 && jj + k < bc; ++k) {
-          float& pr = pt[(jj + k) * ld + r];
+          float& pr = pt.at(r, jj + k);
           pr = bits[k] >= threshold ? pr * keep_scale : 0.0f;
         }
       }
@@ -478,7 +579,8 @@ private:
   }
 
   // out = o / l in the output dtype, and lse = m + log(l) (-inf for rows that saw no key).
-  void write_out(const RowBlock& rb, const float* o_acc, const float* m, const float* ls) const {
+  // scratch holds Dv floats.
+  void write_out(const RowBlock& rb, const float* o_acc, const float* m, const float* ls, float* scratch) const {
     E* out = static_cast<E*>(p_.out);
     for (int64_t r = 0; r < rb.rows; ++r) {
       const int64_t h = rb.h0 + r / rb.nq, i = rb.i0 + r % rb.nq;
@@ -486,7 +588,11 @@ private:
       const float inv = l > 0.0f ? 1.0f / l : (l == 0.0f ? 0.0f : l);  // l is NaN or >= 1
       const float* o = o_acc + r * plan_.dv_pad;
       E* dst = out + rb.b * p_.out_stride[0] + h * p_.out_stride[1] + i * p_.out_stride[2];
-      for (int64_t d = 0; d < p_.Dv; ++d) dst[d * p_.out_stride[3]] = Elem<T>::store(o[d] * inv);
+      if (plan_.v_split_bf16) {  // back to column order
+        for (int64_t d = 0; d < p_.Dv; ++d) scratch[d] = o[split_bf16_column(d)];
+        o = scratch;
+      }
+      store_row<T>(o, inv, p_.Dv, dst, p_.out_stride[3]);
       if (p_.lse) {
         p_.lse[rb.b * p_.lse_stride[0] + h * p_.lse_stride[1] + i * p_.lse_stride[2]] =
             l == 0.0f ? -INFINITY : m[r] + std::log(l) + (kq_ ? lse_shift(rb, h, i) : 0.0f);

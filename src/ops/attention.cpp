@@ -161,7 +161,11 @@ AttentionParams detail::attention_params(const AttentionArgs& a) {
   p.causal_offset = a.causal == Causal::bottom_right ? Skv - Sq : 0;
   p.scale = static_cast<float>(scale);
   p.dropout_p = static_cast<float>(a.dropout_p);
-  p.seed = a.seed ? *a.seed : (uint64_t{std::random_device{}()} << 32) ^ std::random_device{}();
+  if (a.seed) {
+    p.seed = *a.seed;
+  } else if (a.dropout_p > 0.0) {  // a fresh seed; drawing one costs microseconds, so only when used
+    p.seed = (uint64_t{std::random_device{}()} << 32) ^ std::random_device{}();
+  }
 
   return p;
 }

@@ -27,7 +27,7 @@ struct AttentionParams {
   int64_t causal_offset;        // when causal: key j is visible to query i iff j <= i + offset
   float scale;                  // softmax scale applied to q·k
   float dropout_p;              // 0 disables dropout
-  uint64_t seed;                // dropout stream key
+  uint64_t seed = 0;            // dropout stream key
 };
 
 namespace detail {

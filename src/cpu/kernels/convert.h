@@ -66,9 +66,18 @@ inline vfloat vload_as_float(const typename Elem<T>::type* p) {
   if constexpr (T == DType::float32) {
     return vload(p);
   } else if constexpr (T == DType::bfloat16) {
+    // One widening load and a shift. (GCC 12 splits __builtin_convertvector into five
+    // instructions, and warns inside the unmasked _mm512_cvtepu16_epi32.)
+#if defined(ATTNKIT_ISA_avx512)
+    const vint x = (vint)_mm512_maskz_cvtepu16_epi32(0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(ATTNKIT_ISA_avx2)
+    const vint x = (vint)_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
     vhalf h;
     std::memcpy(&h, p, sizeof h);
-    return (vfloat)(__builtin_convertvector(h, vint) << 16);
+    const vint x = __builtin_convertvector(h, vint);
+#endif
+    return (vfloat)(x << 16);
   } else if constexpr (T == DType::float8_e4m3fn) {
     // Exponent and mantissa moved into float32's fields, then rebiased (7 -> 127) by an
     // exact multiply by 2^120; e4m3fn subnormals land on float32 subnormals, so this is
@@ -119,6 +128,34 @@ inline void load_row(const typename Elem<T>::type* src, int64_t stride, int64_t 
   } else {
     for (int64_t i = 0; i < n; ++i) dst[i] = Elem<T>::load(src[i * stride]) * scale;
   }
+}
+
+// kLanes floats rounded to bf16 exactly as attnkit::float_to_bfloat16: nearest even,
+// overflow to inf, every NaN to 0xFFFF (torch's vectorised kernel).
+inline void vstore_bf16(uint16_t* dst, vfloat x) {
+  typedef uint32_t vuint32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+  const vuint32 u = (vuint32)x;
+  const vuint32 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const vuint32 bits = x != x ? vuint32{} + 0xFFFFu : rounded;
+  const vhalf h = __builtin_convertvector(bits, vhalf);
+  std::memcpy(dst, &h, sizeof h);
+}
+
+// dst[i * stride] = store(src[i] * scale) for i < n, in T.
+template <DType T>
+inline void store_row(const float* src, float scale, int64_t n, typename Elem<T>::type* dst, int64_t stride) {
+  int64_t i = 0;
+  if (stride == 1 && T != DType::float16) {
+    const vfloat vs = vbroadcast(scale);
+    for (; i + kLanes <= n; i += kLanes) {
+      if constexpr (T == DType::bfloat16) {
+        vstore_bf16(dst + i, vload(src + i) * vs);
+      } else if constexpr (T == DType::float32) {
+        vstore(dst + i, vload(src + i) * vs);
+      }
+    }
+  }
+  for (; i < n; ++i) dst[i * stride] = Elem<T>::store(src[i] * scale);
 }
 
 // Loads one mask element as an additive bias (bool false -> -inf).

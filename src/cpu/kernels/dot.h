@@ -1,59 +1,51 @@
-// Row-dot micro-kernel for score tiles with very few query rows (decode): each key row is
-// dotted with each query row along the head dimension (the SIMD axis), converting the
-// key's dtype on load. Where Kᵀ·Q would pad a handful of rows to a full vector, this
-// does only the useful multiply-adds.
+// Key-block micro-kernel for score tiles with very few query rows (decode): each of kLanes
+// keys is dotted with each query row along the head dimension (the SIMD axis), and the
+// kLanes partial-sum vectors of a row are reduced together (transpose_sum) into one vector
+// of scores, keys along the lanes. Where Kᵀ·Q would pad a handful of rows to a full
+// vector, this does only the useful multiply-adds, and leaves row-major scores that the
+// row-wise softmax and P·V read directly.
 #pragma once
 
-#include <array>
 #include <cstdint>
-#include <utility>
 
-#include "cpu/kernels/convert.h"
 #include "cpu/kernels/simd.h"
 
 namespace attnkit::cpu::ATTNKIT_ISA {
 
 inline constexpr int kMaxDotRows = 8;
-inline constexpr int64_t kPrefetchRows = 32;  // measured flat from 16 to 64 rows
 
-// c[j * ldc + r] = Σ_p a[j * lda + p] · b[r * ldb + p] for j < m, r < R, p < k. a rows
-// hold k elements of dtype T (unit stride); b rows are fp32.
-template <DType T, int R>
-void dot_rows(int64_t m, int64_t k, const typename Elem<T>::type* a, int64_t lda, const float* b,
-              int64_t ldb, float* c, int64_t ldc) {
-  const int64_t k_vec = k / kLanes * kLanes;
-  for (int64_t j = 0; j < m; ++j) {
-    const typename Elem<T>::type* arow = a + j * lda;
-    // Decode streams K from memory: ask for the row kPrefetchRows ahead.
-    prefetch_bytes(arow, kPrefetchRows * lda * int64_t{sizeof(*arow)}, k * int64_t{sizeof(*arow)});
-    vfloat acc[R];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[r] = vfloat{};
-    for (int64_t p = 0; p < k_vec; p += kLanes) {
-      const vfloat av = vload_as_float<T>(arow + p);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[r] += av * vload(b + r * ldb + p);
+// s[r * lds + j] = Σ_{p < k} keys[j * ldk + p] · q[r * ldq + p] for r < rows, j < kLanes;
+// k is a multiple of kLanes (callers zero-pad keys and q alike).
+inline void dot_key_block(int64_t rows, int64_t k, const float* keys, int64_t ldk, const float* q, int64_t ldq,
+                          float* s, int64_t lds) {
+  for (int64_t r = 0; r < rows; ++r) {
+    vfloat acc[kLanes] = {};
+    for (int64_t p = 0; p < k; p += kLanes) {
+      const vfloat qv = vload(q + r * ldq + p);
+#pragma GCC unroll 16
+      for (int j = 0; j < kLanes; ++j) acc[j] += vload(keys + j * ldk + p) * qv;
     }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      float sum = hsum(acc[r]);
-      for (int64_t p = k_vec; p < k; ++p) sum += Elem<T>::load(arow[p]) * b[r * ldb + p];
-      c[j * ldc + r] = sum;
-    }
+    vstore(s + r * lds, transpose_sum(acc));
   }
 }
 
-template <DType T, int... R>
-constexpr auto dot_rows_table(std::integer_sequence<int, R...>) {
-  return std::array{&dot_rows<T, R + 1>...};
+#if defined(ATTNKIT_ISA_avx512bf16)
+// The same on bf16 pairs (vdpbf16ps, exact products summed in fp32): keys and q rows hold
+// k_pairs pairs, a multiple of 16.
+inline void dot_key_block_bf16(int64_t rows, int64_t k_pairs, const uint32_t* keys, int64_t ldk, const uint32_t* q,
+                               int64_t ldq, float* s, int64_t lds) {
+  for (int64_t r = 0; r < rows; ++r) {
+    vfloat acc[kLanes] = {};
+    for (int64_t p = 0; p < k_pairs; p += 16) {
+      const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + r * ldq + p);
+#pragma GCC unroll 16
+      for (int j = 0; j < kLanes; ++j) {
+        acc[j] = (vfloat)_mm512_dpbf16_ps((__m512)acc[j], qv, (__m512bh)_mm512_loadu_si512(keys + j * ldk + p));
+      }
+    }
+    vstore(s + r * lds, transpose_sum(acc));
+  }
 }
-
-// dot_rows for R = rows (1 <= rows <= kMaxDotRows).
-template <DType T>
-void dot_rows(int64_t rows, int64_t m, int64_t k, const typename Elem<T>::type* a, int64_t lda,
-              const float* b, int64_t ldb, float* c, int64_t ldc) {
-  static constexpr auto table = dot_rows_table<T>(std::make_integer_sequence<int, kMaxDotRows>{});
-  table[rows - 1](m, k, a, lda, b, ldb, c, ldc);
-}
+#endif
 
 }  // namespace attnkit::cpu::ATTNKIT_ISA

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "cpu/kernels/simd.h"
 #include "cpu/kernels/tiling.h"
@@ -21,9 +22,31 @@ inline constexpr int kTallRows = 4, kTallVecs = 3;
 inline constexpr int kWideRows = 4, kWideVecs = 3;
 #endif
 
-// c[MR][NV*kLanes] (+)= a[MR][k] · b[k][NV*kLanes], with a(i, p) = a[i * lda + p * a_step].
-template <int MR, int NV>
-void gemm_tile(int64_t k, const float* a, int64_t lda, int64_t a_step, const float* b, int64_t ldb,
+// NV vectors of B's row at b: fp32 as stored, or bf16 widened without shuffles: each
+// 32-bit pair (even element low, odd high) gives its even element by a shift and its odd
+// element by a mask, so vector 2i holds the even and 2i+1 the odd columns of the 2·kLanes
+// columns at 2i·kLanes ("split bf16": C's columns come out in that order too).
+template <int NV>
+inline void load_b(const float* b, vfloat (&bv)[NV]) {
+#pragma GCC unroll 8
+  for (int j = 0; j < NV; ++j) bv[j] = vload(b + j * kLanes);
+}
+template <int NV>
+inline void load_b(const uint16_t* b, vfloat (&bv)[NV]) {
+  static_assert(NV % 2 == 0, "split bf16 comes in pairs of vectors");
+#pragma GCC unroll 8
+  for (int j = 0; j < NV; j += 2) {
+    vint pairs;
+    std::memcpy(&pairs, b + j * kLanes, sizeof pairs);
+    bv[j] = (vfloat)(pairs << 16);
+    bv[j + 1] = (vfloat)(pairs & int32_t(0xFFFF0000u));
+  }
+}
+
+// c[MR][NV*kLanes] (+)= a[MR][k] · b[k][NV*kLanes], with a(i, p) = a[i * lda + p * a_step];
+// B is fp32, or bf16 in split order (load_b).
+template <int MR, int NV, class B = float>
+void gemm_tile(int64_t k, const float* a, int64_t lda, int64_t a_step, const B* b, int64_t ldb,
                float* c, int64_t ldc, bool accumulate) {
   vfloat acc[MR][NV];
 #pragma GCC unroll 8
@@ -35,8 +58,7 @@ void gemm_tile(int64_t k, const float* a, int64_t lda, int64_t a_step, const flo
   }
   for (int64_t p = 0; p < k; ++p) {
     vfloat bv[NV];
-#pragma GCC unroll 8
-    for (int j = 0; j < NV; ++j) bv[j] = vload(b + p * ldb + j * kLanes);
+    load_b(b + p * ldb, bv);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       const vfloat ai = vbroadcast(a[i * lda + p * a_step]);
@@ -55,6 +77,11 @@ struct GemmKernel {
   template <int MR, int NV>
   static constexpr auto tile = &gemm_tile<MR, NV>;
 };
+// Tiles of the split-bf16 B counted in pairs of vectors.
+struct GemmSplitBf16Kernel {
+  template <int MR, int NV2>
+  static constexpr auto tile = &gemm_tile<MR, 2 * NV2, uint16_t>;
+};
 
 // c[m][n] (+)= a[m][k] · b[k][n] with a(i, p) = a[i * lda + p * a_step], in MR × NV-vector
 // register tiles; n must be a multiple of kLanes (callers pad B and C).
@@ -64,6 +91,23 @@ void gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, int64_t 
   for_each_tile<GemmKernel, MR, NV>(m, n, kLanes, [&](auto tile, int64_t m0, int64_t n0) {
     tile(k, a + m0 * lda, lda, a_step, b + n0, ldb, c + m0 * ldc + n0, ldc, accumulate);
   });
+}
+
+// The same with B's rows in bf16, read in place (n a multiple of 2·kLanes, NV even); C's
+// columns come out in split order: within each 2·kLanes block, the even columns, then the
+// odd ones (split_bf16_column maps them back).
+template <int MR, int NV>
+void gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, int64_t a_step,
+          const uint16_t* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  for_each_tile<GemmSplitBf16Kernel, MR, NV / 2>(m, n, 2 * kLanes, [&](auto tile, int64_t m0, int64_t n0) {
+    tile(k, a + m0 * lda, lda, a_step, b + n0, ldb, c + m0 * ldc + n0, ldc, accumulate);
+  });
+}
+
+// Where column d of a split-bf16 product lies in C's row.
+inline int64_t split_bf16_column(int64_t d) {
+  const int64_t block = d / (2 * kLanes) * (2 * kLanes), i = d % (2 * kLanes);
+  return block + (i % 2) * kLanes + i / 2;
 }
 
 }  // namespace attnkit::cpu::ATTNKIT_ISA

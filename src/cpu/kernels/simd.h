@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -54,6 +55,20 @@ inline float hmax(vfloat v) {
   for (int i = 1; i < kLanes; ++i) m = v[i] > m ? v[i] : m;
   return m;
 }
+// Whether any lane of a exceeds the same lane of b (false where either is NaN).
+inline bool any_greater(vfloat a, vfloat b) {
+#if defined(ATTNKIT_ISA_avx512)
+  return _mm512_cmp_ps_mask((__m512)a, (__m512)b, _CMP_GT_OQ) != 0;
+#elif defined(ATTNKIT_ISA_avx2)
+  return _mm256_movemask_ps(_mm256_cmp_ps((__m256)a, (__m256)b, _CMP_GT_OQ)) != 0;
+#elif defined(__SSE2__)
+  return _mm_movemask_ps(_mm_cmpgt_ps((__m128)a, (__m128)b)) != 0;
+#else
+  bool any = false;
+  for (int i = 0; i < kLanes; ++i) any |= a[i] > b[i];
+  return any;
+#endif
+}
 inline float hsum(vfloat v) {
 #if defined(ATTNKIT_ISA_avx512) || defined(ATTNKIT_ISA_avx2)
   // Halve with shuffles down to 4 lanes (GCC 12 warns inside _mm512_reduce_add_ps).
@@ -74,12 +89,44 @@ inline float hsum(vfloat v) {
 #endif
 }
 
+// One round of transpose_sum: a and b each hold kLanes / W keys with W partial sums apiece
+// (key blocks contiguous); the result holds a's keys then b's with W / 2 partial sums each.
+// In the concatenation [a | b], key block k starts at lane k * W for both halves alike.
+template <int W, int... L>
+inline vfloat transpose_sum_pair(vfloat a, vfloat b, std::integer_sequence<int, L...>) {
+  return __builtin_shufflevector(a, b, (L / (W / 2) * W + L % (W / 2))...) +
+         __builtin_shufflevector(a, b, (L / (W / 2) * W + L % (W / 2) + W / 2)...);
+}
+template <int W>
+inline vfloat transpose_sum_rounds(vfloat* v) {
+  if constexpr (W == 1) {
+    return v[0];
+  } else {
+#pragma GCC unroll 16
+    for (int i = 0; i < W / 2; ++i) v[i] = transpose_sum_pair<W>(v[2 * i], v[2 * i + 1], std::make_integer_sequence<int, kLanes>{});
+    return transpose_sum_rounds<W / 2>(v);
+  }
+}
+
+// Lane j of the result is the sum of v[j]'s lanes: kLanes horizontal sums done together in
+// log2(kLanes) rounds of two shuffles and an add (kLanes - 1 rounds' worth of vectors in
+// all), instead of kLanes separate reductions. Overwrites v.
+inline vfloat transpose_sum(vfloat (&v)[kLanes]) { return transpose_sum_rounds<kLanes>(v); }
+
 // Asks the caches for bytes [offset, offset + n) of the object at p, one prefetch per 64-byte
-// line. Prefetches never fault, so the range may lie past the end of an array; the address
-// is formed in integers for that reason.
-inline void prefetch_bytes(const void* p, int64_t offset, int64_t n) {
+// line, into L1 or only as far as L2. Prefetches never fault, so the range may lie past the
+// end of an array; the address is formed in integers for that reason.
+enum class Cache { l1, l2 };
+inline void prefetch_bytes(const void* p, int64_t offset, int64_t n, Cache level = Cache::l1) {
   const uintptr_t base = reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(offset);
-  for (int64_t byte = 0; byte < n; byte += 64) __builtin_prefetch(reinterpret_cast<const void*>(base + byte));
+  for (int64_t byte = 0; byte < n; byte += 64) {
+    const void* line = reinterpret_cast<const void*>(base + byte);
+    if (level == Cache::l1) {
+      __builtin_prefetch(line, 0, 3);
+    } else {
+      __builtin_prefetch(line, 0, 1);
+    }
+  }
 }
 
 // 2^x for x <= 0 (softmax exponents after max subtraction), relative error ~2 ulp.

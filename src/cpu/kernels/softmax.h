@@ -39,6 +39,32 @@ inline void online_softmax_tile(float* st, int64_t n_keys, int64_t ld, int64_t n
   }
 }
 
+// The same update for a row-major tile s[r * ld + j], keys j < n_keys (a multiple of
+// kLanes) along the lanes, for rows r < n_rows. Usually no key beats the running max:
+// then one compare replaces the horizontal max, and alpha is exactly 1.
+inline void online_softmax_rows(float* s, int64_t n_keys, int64_t ld, int64_t n_rows, float* m, float* l,
+                                float* alpha) {
+  for (int64_t r = 0; r < n_rows; ++r) {
+    float* row = s + r * ld;
+    const vfloat m_old = vbroadcast(m[r]);
+    vfloat mx = m_old;
+    for (int64_t j = 0; j < n_keys; j += kLanes) mx = vmax(mx, vload(row + j));
+    const bool moved = any_greater(mx, m_old);
+    const float m_new = moved ? hmax(mx) : m[r];
+    const vfloat m_ref = vbroadcast(m_new == -INFINITY ? 0.0f : m_new);  // as in the tile version
+    vfloat sum{};
+    for (int64_t j = 0; j < n_keys; j += kLanes) {
+      const vfloat p = vexp2((vload(row + j) - m_ref) * kLog2e);
+      vstore(row + j, p);
+      sum += p;
+    }
+    const float a = moved ? vexp2((m_old - m_ref) * kLog2e)[0] : 1.0f;
+    alpha[r] = a;
+    l[r] = l[r] * a + hsum(sum);
+    m[r] = m_new;
+  }
+}
+
 // row[0, n) *= factor (n a multiple of kLanes).
 inline void scale_row(float* row, int64_t n, float factor) {
   const vfloat f = vbroadcast(factor);
