@@ -1,9 +1,12 @@
 // Micro-kernel tests, compiled once per ISA (like the kernels) and skipped where this CPU
-// lacks the ISA: the register-tiled GEMM, the vector exp2 and the online-softmax update.
+// lacks the ISA: the register-tiled GEMMs, the SIMD reductions, the key-block dots, the
+// vector exp2, the online-softmax updates and the dtype conversions.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <random>
 #include <string>
@@ -12,6 +15,7 @@
 #include "attnkit/runtime.h"
 #include "attnkit/dtype.h"
 #include "cpu/kernels/convert.h"
+#include "cpu/kernels/dot.h"
 #include "cpu/kernels/gemm.h"
 #include "cpu/kernels/gemm_bf16.h"
 #include "cpu/kernels/gemm_int8.h"
@@ -33,6 +37,17 @@ bool runnable() {
 }
 #define SKIP_UNLESS_RUNNABLE() \
   if (!runnable()) GTEST_SKIP() << ISA_STR(ATTNKIT_ISA) " not supported on this CPU"
+
+uint32_t bits_of(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+}
+float from_bits(uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
 
 // Every edge tile of an MR × NV register tiling, A read row-major or transposed
 // (a_step != 1), accumulating or not, against a float64 reference.
@@ -85,6 +100,81 @@ ISA_TEST(Gemm, WideTilesMatchFloat64Reference) {
   check_gemm<kWideRows, kWideVecs>(true);
 }
 
+// The bf16-B overload: B's rows read in place as bf16 (NaN-padded beyond n, so reading past
+// n shows), C's columns in split order (split_bf16_column); NaN-poisoned C must be fully
+// written, and C's padding columns and the row after the last stay untouched. gemm<MR, NV>
+// tiles 2·kLanes columns at a time in NV / 2 pairs of vectors (one pair where NV is 3).
+template <int MR, int NV>
+void check_gemm_split_bf16(bool a_transposed) {
+  std::mt19937 gen(11);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  for (int64_t m : {int64_t{1}, int64_t{MR - 1}, int64_t{MR}, int64_t{MR + 1}, int64_t{2 * MR + 3}}) {
+    if (m < 1) continue;
+    for (int64_t n : {2 * kLanes, 4 * kLanes, 6 * kLanes, 10 * kLanes}) {
+      for (int64_t k : {1, 7, 64, 129}) {
+        for (bool accumulate : {false, true}) {
+          const int64_t lda = a_transposed ? 1 : k + 3, a_step = a_transposed ? m + 2 : 1;
+          const int64_t ldb = n + kLanes + 1, ldc = n + 2 * kLanes;  // odd ldb: unaligned rows
+          std::vector<float> a((m + 2) * (k + 3), NAN), c((m + 1) * ldc), c0;
+          std::vector<uint16_t> b(k * ldb, 0xFFFF);
+          for (int64_t i = 0; i < m; ++i) {
+            for (int64_t p = 0; p < k; ++p) a[i * lda + p * a_step] = dist(gen);
+          }
+          for (int64_t p = 0; p < k; ++p) {
+            for (int64_t d = 0; d < n; ++d) b[p * ldb + d] = float_to_bfloat16(dist(gen));
+          }
+          for (int64_t i = 0; i < m + 1; ++i) {
+            for (int64_t j = 0; j < ldc; ++j) c[i * ldc + j] = i < m && j < n && !accumulate ? NAN : dist(gen);
+          }
+          c0 = c;
+          gemm<MR, NV>(m, n, k, a.data(), lda, a_step, b.data(), ldb, c.data(), ldc, accumulate);
+          for (int64_t i = 0; i < m + 1; ++i) {
+            for (int64_t j = n; j < ldc; ++j) ASSERT_EQ(c[i * ldc + j], c0[i * ldc + j]) << "(" << i << ", " << j << ")";
+            for (int64_t d = 0; d < n && i == m; ++d) ASSERT_EQ(c[i * ldc + d], c0[i * ldc + d]) << "row m, " << d;
+            for (int64_t d = 0; d < n && i < m; ++d) {
+              const int64_t j = split_bf16_column(d);
+              double ref = accumulate ? c0[i * ldc + j] : 0.0;
+              for (int64_t p = 0; p < k; ++p) ref += double(a[i * lda + p * a_step]) * bfloat16_to_float(b[p * ldb + d]);
+              ASSERT_NEAR(c[i * ldc + j], ref, 1e-5 * (k + 1)) << MR << "x" << NV << " m=" << m << " n=" << n
+                                                                << " k=" << k << " acc=" << accumulate << " at (" << i
+                                                                << ", " << d << ")";
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+ISA_TEST(Gemm, SplitBf16TallTilesMatchFloat64Reference) {
+  SKIP_UNLESS_RUNNABLE();
+  check_gemm_split_bf16<kTallRows, kTallVecs>(false);
+  check_gemm_split_bf16<kTallRows, kTallVecs>(true);
+}
+
+ISA_TEST(Gemm, SplitBf16WideTilesMatchFloat64Reference) {
+  SKIP_UNLESS_RUNNABLE();
+  check_gemm_split_bf16<kWideRows, kWideVecs>(false);
+  check_gemm_split_bf16<kWideRows, kWideVecs>(true);
+}
+
+// Split order within each 2·kLanes block: even columns in the first vector, odd in the second.
+ISA_TEST(Gemm, SplitBf16ColumnIsAPermutation) {
+  SKIP_UNLESS_RUNNABLE();
+  for (int64_t n : {2 * kLanes, 4 * kLanes, 10 * kLanes}) {
+    std::vector<int> seen(n, 0);
+    for (int64_t d = 0; d < n; ++d) {
+      const int64_t j = split_bf16_column(d);
+      ASSERT_TRUE(j >= 0 && j < n) << d;
+      EXPECT_EQ(j / (2 * kLanes), d / (2 * kLanes)) << d;  // stays in its block
+      ++seen[j];
+    }
+    for (int64_t j = 0; j < n; ++j) EXPECT_EQ(seen[j], 1) << "n=" << n << " column " << j;
+  }
+  EXPECT_EQ(split_bf16_column(1), kLanes);
+  EXPECT_EQ(split_bf16_column(2 * kLanes + 3), 3 * kLanes + 1);
+}
+
 ISA_TEST(Exp2, AccurateAndExactAtTheEdges) {
   SKIP_UNLESS_RUNNABLE();
   float worst = 0.0f;
@@ -98,6 +188,92 @@ ISA_TEST(Exp2, AccurateAndExactAtTheEdges) {
   EXPECT_EQ(vexp2(vbroadcast(-INFINITY))[0], 0.0f);
   EXPECT_EQ(vexp2(vbroadcast(-127.5f))[0], 0.0f);
   EXPECT_TRUE(std::isnan(vexp2(vbroadcast(NAN))[0]));
+}
+
+// Lane j of transpose_sum is the sum of v[j]'s lanes; every value differs, so a lane or
+// vector permutation changes some sum. Tolerance: the sum order differs from the reference.
+ISA_TEST(Simd, TransposeSumSumsEachVector) {
+  SKIP_UNLESS_RUNNABLE();
+  std::mt19937 gen(13);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  for (int trial = 0; trial < 100; ++trial) {
+    vfloat v[kLanes], v0[kLanes];
+    for (int j = 0; j < kLanes; ++j) {
+      for (int i = 0; i < kLanes; ++i) v[j][i] = dist(gen) * float(1 + j + kLanes * i);
+      v0[j] = v[j];
+    }
+    const vfloat got = transpose_sum(v);
+    for (int j = 0; j < kLanes; ++j) {
+      double ref = 0.0, mag = 0.0;
+      for (int i = 0; i < kLanes; ++i) ref += v0[j][i], mag += std::fabs(v0[j][i]);
+      ASSERT_NEAR(got[j], ref, 1e-6 * mag) << "trial " << trial << " lane " << j;
+    }
+  }
+}
+
+ISA_TEST(Simd, AnyGreaterComparesLanewise) {
+  SKIP_UNLESS_RUNNABLE();
+  std::mt19937 gen(17);
+  std::normal_distribution<float> dist;
+  vfloat b;
+  for (int i = 0; i < kLanes; ++i) b[i] = dist(gen);
+  const vfloat nan = vbroadcast(NAN);
+  EXPECT_FALSE(any_greater(b, b));                    // equal lanes
+  EXPECT_FALSE(any_greater(b - 1.0f, b));             // all smaller
+  EXPECT_TRUE(any_greater(b + 1.0f, b));              // all greater
+  EXPECT_FALSE(any_greater(nan, b));                  // NaN compares false ...
+  EXPECT_FALSE(any_greater(b, nan));
+  EXPECT_FALSE(any_greater(nan, nan));
+  EXPECT_FALSE(any_greater(vbroadcast(INFINITY), vbroadcast(INFINITY)));
+  EXPECT_TRUE(any_greater(vbroadcast(-FLT_MAX), vbroadcast(-INFINITY)));
+  for (int i = 0; i < kLanes; ++i) {
+    vfloat a = b;
+    a[i] = std::nextafter(b[i], INFINITY);  // one lane greater by one ulp
+    EXPECT_TRUE(any_greater(a, b)) << "lane " << i;
+    EXPECT_FALSE(any_greater(b, a)) << "lane " << i;
+    a = b - 1.0f;
+    a[i] = b[i] + 1.0f;
+    a[(i + 1) % kLanes] = NAN;  // ... but does not hide a greater lane elsewhere
+    EXPECT_TRUE(any_greater(a, b)) << "lane " << i;
+    a[i] = NAN;
+    EXPECT_FALSE(any_greater(a, b)) << "lane " << i;
+  }
+}
+
+// dot_key_block on padded strides: keys and q are NaN past k (reading them shows), s is NaN
+// inside [rows][kLanes] (must be fully written) and a sentinel elsewhere (must stay).
+ISA_TEST(Dot, KeyBlockMatchesFloat64Reference) {
+  SKIP_UNLESS_RUNNABLE();
+  std::mt19937 gen(19);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  for (int64_t rows = 1; rows <= kMaxDotRows; ++rows) {
+    for (int64_t k : {kLanes, 2 * kLanes, 5 * kLanes, 128}) {
+      const int64_t ldk = k + 3, ldq = k + 5, lds = kLanes + 3;
+      std::vector<float> keys(kLanes * ldk, NAN), q(rows * ldq, NAN), s((rows + 1) * lds, 12345.0f);
+      for (int64_t j = 0; j < kLanes; ++j) {
+        for (int64_t p = 0; p < k; ++p) keys[j * ldk + p] = dist(gen);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t p = 0; p < k; ++p) q[r * ldq + p] = dist(gen);
+        for (int64_t j = 0; j < kLanes; ++j) s[r * lds + j] = NAN;
+      }
+      dot_key_block(rows, k, keys.data(), ldk, q.data(), ldq, s.data(), lds);
+      for (int64_t r = 0; r < rows + 1; ++r) {
+        for (int64_t j = 0; j < lds; ++j) {
+          if (r == rows || j >= kLanes) {
+            ASSERT_EQ(s[r * lds + j], 12345.0f) << "rows=" << rows << " k=" << k << " at (" << r << ", " << j << ")";
+            continue;
+          }
+          double ref = 0.0, mag = 0.0;
+          for (int64_t p = 0; p < k; ++p) {
+            const double t = double(keys[j * ldk + p]) * q[r * ldq + p];
+            ref += t, mag += std::fabs(t);
+          }
+          ASSERT_NEAR(s[r * lds + j], ref, 1e-6 * mag) << "rows=" << rows << " k=" << k << " at (" << r << ", " << j << ")";
+        }
+      }
+    }
+  }
 }
 
 // Two tiles of transposed scores (keys × rows) folded one after the other give each row's
@@ -134,6 +310,98 @@ ISA_TEST(OnlineSoftmax, TwoTilesEqualOneSoftmax) {
   EXPECT_EQ(t[5 * ld + 1], 0.0f);
 }
 
+// Row-major scores for online_softmax_rows: rows × two tiles of kKeys keys, row r at r * ld
+// (tile 2 at + kKeys), with the cases the single-compare shortcut must get right.
+constexpr int64_t kSoftmaxRows = 9, kKeys = 2 * kLanes, kSoftmaxLd = 2 * kKeys + 3;
+std::vector<float> softmax_rows_scores() {
+  std::mt19937 gen(23);
+  std::normal_distribution<float> dist(0.0f, 3.0f);
+  std::vector<float> s(kSoftmaxRows * kSoftmaxLd);
+  for (auto& x : s) x = dist(gen);
+  auto at = [&](int64_t r, int64_t j) -> float& { return s[r * kSoftmaxLd + j]; };
+  at(1, kKeys + 5) = 40.0f;                                        // max moves in tile 2
+  at(2, 3) = 40.0f;                                                // max stays in tile 2
+  for (int64_t j = 0; j < 2 * kKeys; ++j) at(3, j) = -INFINITY;    // row 3 sees nothing
+  for (int64_t j = 0; j < kKeys; ++j) at(4, j) = -INFINITY;        // row 4 only in tile 2
+  at(5, 2) = at(5, kKeys + 1) = at(5, 2 * kKeys - 1) = -INFINITY;  // masked keys
+  at(6, 7) = at(6, kKeys + 9) = 40.0f;                             // tile 2 ties the max
+  at(7, 2 * kKeys - 1) = 40.0f;                                    // moves in the last lane only
+  return s;
+}
+
+// Two row-major tiles folded one after the other give each row's running statistics after
+// each tile; P = e^(s - m_new), alpha = e^(m_old - m_new), exactly 1 where the max stays.
+// Padding, the row after the last and m/l/alpha past n_rows stay untouched.
+ISA_TEST(OnlineSoftmax, RowsTwoTilesEqualOneSoftmax) {
+  SKIP_UNLESS_RUNNABLE();
+  const int64_t rows = kSoftmaxRows, ld = kSoftmaxLd;
+  const std::vector<float> s = softmax_rows_scores();
+  std::vector<float> t = s, m(rows + 1, -INFINITY), l(rows + 1, 0.0f), alpha(rows + 1, NAN);
+  t.resize((rows + 1) * ld, 7.0f);
+  m[rows] = l[rows] = alpha[rows] = 7.0f;
+  std::vector<double> m_ref(rows, -INFINITY);
+  for (int tile = 0; tile < 2; ++tile) {
+    std::fill(alpha.begin(), alpha.begin() + rows, NAN);
+    online_softmax_rows(t.data() + tile * kKeys, kKeys, ld, rows, m.data(), l.data(), alpha.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      const double m_old = m_ref[r];
+      for (int64_t j = tile * kKeys; j < (tile + 1) * kKeys; ++j) m_ref[r] = std::max(m_ref[r], double(s[r * ld + j]));
+      EXPECT_EQ(m[r], float(m_ref[r])) << "tile " << tile << " row " << r;
+      if (m_ref[r] == -INFINITY) {  // nothing visible yet: no NaN anywhere
+        EXPECT_EQ(l[r], 0.0f) << r;
+        EXPECT_TRUE(alpha[r] >= 0.0f && alpha[r] <= 1.0f) << r;
+        for (int64_t j = tile * kKeys; j < (tile + 1) * kKeys; ++j) EXPECT_EQ(t[r * ld + j], 0.0f) << r;
+        continue;
+      }
+      double sum = 0.0;
+      for (int64_t j = 0; j < (tile + 1) * kKeys; ++j) sum += std::exp(double(s[r * ld + j]) - m_ref[r]);
+      EXPECT_NEAR(l[r], sum, 1e-5 * sum) << "tile " << tile << " row " << r;
+      if (m_ref[r] == m_old) {
+        EXPECT_EQ(alpha[r], 1.0f) << "tile " << tile << " row " << r;
+      } else {
+        EXPECT_NEAR(alpha[r], std::exp(m_old - m_ref[r]), 1e-6) << "tile " << tile << " row " << r;
+      }
+      for (int64_t j = tile * kKeys; j < (tile + 1) * kKeys; ++j) {
+        EXPECT_NEAR(t[r * ld + j], std::exp(double(s[r * ld + j]) - m_ref[r]), 1e-6) << "tile " << tile << " row " << r;
+        if (s[r * ld + j] == -INFINITY) {
+          EXPECT_EQ(t[r * ld + j], 0.0f) << r << ", " << j;
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows + 1; ++r) {
+    for (int64_t j = r < rows ? 2 * kKeys : 0; j < ld; ++j) EXPECT_EQ(t[r * ld + j], r < rows ? s[r * ld + j] : 7.0f);
+  }
+  EXPECT_EQ(m[rows], 7.0f);
+  EXPECT_EQ(l[rows], 7.0f);
+  EXPECT_EQ(alpha[rows], 7.0f);
+}
+
+// The row-major update agrees with the transposed one on the same scores: same m, l within
+// 1e-6 relative (the sum order differs), P and alpha alike (alpha only where a key was seen:
+// a row with none has alpha 1 here and 0 there, both harmless as its l and output are 0).
+ISA_TEST(OnlineSoftmax, RowsAgreeWithTransposedTile) {
+  SKIP_UNLESS_RUNNABLE();
+  const int64_t rows = kSoftmaxRows, ld = kSoftmaxLd, ldt = (rows + kLanes - 1) / kLanes * kLanes;
+  std::vector<float> s = softmax_rows_scores(), st(2 * kKeys * ldt, 0.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < 2 * kKeys; ++j) st[j * ldt + r] = s[r * ld + j];
+  }
+  std::vector<float> m(ldt, -INFINITY), l(ldt, 0.0f), alpha(ldt), mt = m, lt = l, alphat = alpha;
+  for (int tile = 0; tile < 2; ++tile) {
+    online_softmax_rows(s.data() + tile * kKeys, kKeys, ld, rows, m.data(), l.data(), alpha.data());
+    online_softmax_tile(st.data() + tile * kKeys * ldt, kKeys, ldt, ldt, mt.data(), lt.data(), alphat.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      EXPECT_EQ(m[r], mt[r]) << "tile " << tile << " row " << r;
+      EXPECT_NEAR(l[r], lt[r], 1e-6 * lt[r]) << "tile " << tile << " row " << r;
+      if (m[r] != -INFINITY) {
+        EXPECT_NEAR(alpha[r], alphat[r], 1e-7) << "tile " << tile << " row " << r;
+      }
+      for (int64_t j = tile * kKeys; j < (tile + 1) * kKeys; ++j) EXPECT_NEAR(s[r * ld + j], st[j * ldt + r], 1e-7) << r;
+    }
+  }
+}
+
 // The vector widening loads agree bit for bit with the scalar conversions of
 // attnkit/dtype.h, for every code of each narrow type (NaN for NaN).
 template <DType T, class Bits>
@@ -162,6 +430,87 @@ ISA_TEST(Convert, VectorLoadsMatchScalarConversions) {
   check_vector_loads<DType::float8_e4m3fn, uint8_t>(256, &float8_e4m3fn_to_float);
   check_vector_loads<DType::bfloat16, uint16_t>(65536, &bfloat16_to_float);
   check_vector_loads<DType::float16, uint16_t>(65536, &float16_to_float);
+}
+
+// Float32 values the narrowing stores must round exactly as attnkit/dtype.h does: NaNs, infinities,
+// overflow after rounding, subnormals, ties to even either way for bf16 and fp16, and
+// values just off the ties.
+const std::vector<float>& rounding_cases() {
+  static const std::vector<float> cases = [] {
+    std::vector<float> v = {NAN, -NAN, INFINITY, -INFINITY, 3.4e38f, -3.4e38f, FLT_MAX, 0.0f, -0.0f, 1.0f,
+                            65504.0f, 65519.0f, 65520.0f, -65520.0f, 0x1p-24f, 0x1p-25f, 0x1.8p-24f, 0x1p-14f,
+                            1.0f + 0x1p-11f, 1.0f + 0x1.8p-10f, FLT_MIN, -1e-40f};
+    for (uint32_t u : {0x7F800001u, 0xFFC00001u, 0x7F7F8000u, 0x7F7F7FFFu, 0x00000001u, 0x00008000u, 0x00018000u,
+                       0x807FFFFFu, 0x3F808000u, 0x3F818000u, 0xBF818000u, 0x3F808001u, 0x3F807FFFu, 0xC0FF8000u}) {
+      v.push_back(from_bits(u));
+    }
+    return v;
+  }();
+  return cases;
+}
+
+// store_row<T> for n in vector and tail lengths, stride 1 (the vector path for bf16 and
+// fp32) and 3: each dst[i * stride] is bit for bit the scalar conversion of src[i] * scale
+// (computed in float), and the elements between and after them stay untouched.
+template <DType T, class Bits>
+void check_store_row(Bits (*scalar)(float)) {
+  using Elem_t = typename Elem<T>::type;
+  std::mt19937 gen(29);
+  std::normal_distribution<float> dist(0.0f, 100.0f);
+  const std::vector<float>& cases = rounding_cases();
+  const int64_t n_cases = static_cast<int64_t>(cases.size());
+  for (int64_t n : {int64_t{1}, int64_t{kLanes - 1}, int64_t{kLanes}, int64_t{3 * kLanes + 5}}) {
+    for (int64_t stride : {1, 3}) {
+      for (float scale : {1.0f, -2.0f, 0.3f}) {
+        for (int64_t start = 0; start < n_cases; ++start) {  // every case at many positions
+          std::vector<float> src(n);
+          for (int64_t i = 0; i < n; ++i) src[i] = i % 3 == 2 ? dist(gen) : cases[(start + i) % n_cases];
+          std::vector<Elem_t> dst(n * stride + kLanes), dst0;
+          for (auto& x : dst) {
+            const uint16_t sentinel = 0xDEAD;
+            std::memcpy(&x, &sentinel, 2);
+          }
+          dst0 = dst;
+          store_row<T>(src.data(), scale, n, dst.data(), stride);
+          for (int64_t i = 0; i < int64_t(dst.size()); ++i) {
+            Bits got, want;
+            std::memcpy(&got, &dst[i], sizeof got);
+            std::memcpy(&want, &dst0[i], sizeof want);
+            if (i % stride == 0 && i / stride < n) want = scalar(src[i / stride] * scale);
+            ASSERT_EQ(got, want) << "n=" << n << " stride=" << stride << " scale=" << scale << " at " << i
+                                 << " src=" << (i % stride == 0 && i / stride < n ? src[i / stride] : 0.0f);
+          }
+        }
+      }
+    }
+  }
+}
+
+uint32_t float_bits(float x) { return bits_of(x); }
+
+ISA_TEST(Convert, StoreRowMatchesScalarConversions) {
+  SKIP_UNLESS_RUNNABLE();
+  check_store_row<DType::bfloat16, uint16_t>(&float_to_bfloat16);
+  check_store_row<DType::float16, uint16_t>(&float_to_float16);
+  check_store_row<DType::float32, uint32_t>(&float_bits);
+}
+
+// vstore_bf16 on every high half of a float32 with the low halves that decide rounding
+// (0, 1, just below, at and just above the tie, all ones), and the rounding cases.
+ISA_TEST(Convert, VectorBf16StoreMatchesScalarRounding) {
+  SKIP_UNLESS_RUNNABLE();
+  std::vector<float> src;
+  for (uint32_t hi = 0; hi < 0x10000u; ++hi) {
+    for (uint32_t lo : {0x0000u, 0x0001u, 0x7FFFu, 0x8000u, 0x8001u, 0xFFFFu}) src.push_back(from_bits(hi << 16 | lo));
+  }
+  src.insert(src.end(), rounding_cases().begin(), rounding_cases().end());
+  src.resize((src.size() + kLanes - 1) / kLanes * kLanes, 1.0f);
+  std::vector<uint16_t> dst(src.size() + 1, 0xDEAD);
+  for (size_t i = 0; i < src.size(); i += kLanes) vstore_bf16(dst.data() + i, vload(src.data() + i));
+  for (size_t i = 0; i < src.size(); ++i) {
+    ASSERT_EQ(dst[i], float_to_bfloat16(src[i])) << std::hex << "float bits 0x" << bits_of(src[i]);
+  }
+  EXPECT_EQ(dst[src.size()], 0xDEAD);
 }
 
 #if defined(ATTNKIT_ISA_avx512bf16)
@@ -193,6 +542,47 @@ ISA_TEST(GemmBf16, MatchesFloat64Reference) {
             }
             ASSERT_NEAR(c[i * ldc + j], ref, 1e-6 * (mag + 1)) << "m=" << m << " n=" << n << " pairs=" << pairs;
           }
+        }
+      }
+    }
+  }
+}
+
+// dot_key_block_bf16: pairs of bf16 (element 2p low, 2p + 1 high) dotted exactly, summed in
+// fp32. NaN pairs past k_pairs, NaN-poisoned s inside [rows][kLanes], a sentinel outside.
+ISA_TEST(Dot, KeyBlockBf16MatchesFloat64Reference) {
+  SKIP_UNLESS_RUNNABLE();
+  std::mt19937 gen(31);
+  std::normal_distribution<float> dist;
+  auto pair = [&] { return float_to_bfloat16(dist(gen)) | uint32_t{float_to_bfloat16(dist(gen))} << 16; };
+  auto widen = [](uint32_t x, int half) { return double(bfloat16_to_float(uint16_t(x >> (16 * half)))); };
+  for (int64_t rows = 1; rows <= kMaxDotRows; ++rows) {
+    for (int64_t k_pairs : {16, 48, 64}) {
+      const int64_t ldk = k_pairs + 3, ldq = k_pairs + 1, lds = kLanes + 5;
+      std::vector<uint32_t> keys(kLanes * ldk, 0xFFFFFFFFu), q(rows * ldq, 0xFFFFFFFFu);
+      std::vector<float> s((rows + 1) * lds, 12345.0f);
+      for (int64_t j = 0; j < kLanes; ++j) {
+        for (int64_t p = 0; p < k_pairs; ++p) keys[j * ldk + p] = pair();
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t p = 0; p < k_pairs; ++p) q[r * ldq + p] = pair();
+        for (int64_t j = 0; j < kLanes; ++j) s[r * lds + j] = NAN;
+      }
+      dot_key_block_bf16(rows, k_pairs, keys.data(), ldk, q.data(), ldq, s.data(), lds);
+      for (int64_t r = 0; r < rows + 1; ++r) {
+        for (int64_t j = 0; j < lds; ++j) {
+          if (r == rows || j >= kLanes) {
+            ASSERT_EQ(s[r * lds + j], 12345.0f) << "rows=" << rows << " pairs=" << k_pairs << " at (" << r << ", " << j << ")";
+            continue;
+          }
+          double ref = 0.0, mag = 0.0;
+          for (int64_t p = 0; p < k_pairs; ++p) {
+            for (int half = 0; half < 2; ++half) {
+              const double t = widen(keys[j * ldk + p], half) * widen(q[r * ldq + p], half);
+              ref += t, mag += std::fabs(t);
+            }
+          }
+          ASSERT_NEAR(s[r * lds + j], ref, 1e-6 * mag) << "rows=" << rows << " pairs=" << k_pairs << " at (" << r << ", " << j << ")";
         }
       }
     }

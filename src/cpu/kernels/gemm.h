@@ -93,9 +93,9 @@ void gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, int64_t 
   });
 }
 
-// The same with B's rows in bf16, read in place (n a multiple of 2·kLanes, NV even); C's
-// columns come out in split order: within each 2·kLanes block, the even columns, then the
-// odd ones (split_bf16_column maps them back).
+// The same with B's rows in bf16, read in place (n a multiple of 2·kLanes; tiles of NV / 2
+// pairs of vectors); C's columns come out in split order: within each 2·kLanes block, the
+// even columns, then the odd ones (split_bf16_column maps them back).
 template <int MR, int NV>
 void gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, int64_t a_step,
           const uint16_t* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
