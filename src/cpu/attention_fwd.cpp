@@ -63,7 +63,7 @@ struct Plan {
   bool bf16_dot;                // bf16 inputs on avx512bf16: K·Qᵀ with vdpbf16ps
   bool int8;                    // sage int8 mode: K·Qᵀ on int8 codes
   bool pv_bf16;                 // sage int8 mode on avx512bf16: P·V on bf16 pairs
-  bool k_in_place;              // row-dot reads fp32 K rows of unit stride as they are
+  bool k_in_place;              // K rows used where they are, without packing
   bool v_in_place;              // fp32 V rows with unit stride need no packing
   bool v_split_bf16;            // bf16 V rows read in place by the P·V tile; O in split order
 
@@ -96,7 +96,13 @@ struct Plan {
     row_dot = !int8 && rows <= kMaxDotRows && 2 * rows <= kLanes;
     bf16_dot = kDotProducts && !int8 && p.dtype == DType::bfloat16;
     pv_bf16 = kDotProducts && int8;
-    k_in_place = p.dtype == DType::float32 && p.k_stride[3] == 1 && p.D == d_pad && row_dot;
+    // K rows read where they are: fp32 rows of unit stride; for vdpbf16ps, bf16 rows that
+    // are whole pairs (the key block reads whole vectors, so D must fill them there).
+    if (bf16_dot) {
+      k_in_place = p.k_stride[3] == 1 && p.k_stride[2] % 2 == 0 && p.D % 2 == 0 && (!row_dot || p.D == 2 * pairs_pad);
+    } else {
+      k_in_place = p.dtype == DType::float32 && p.k_stride[3] == 1 && (!row_dot || p.D == d_pad);
+    }
     v_in_place = p.dtype == DType::float32 && p.v_stride[3] == 1 && p.Dv == dv_pad;
     v_split_bf16 = p.dtype == DType::bfloat16 && p.v_stride[3] == 1 && p.Dv % (2 * kLanes) == 0 && row_dot;
     workspace_floats = d_pad * rows_pad            // Qᵀ (or Q rows), scaled
@@ -246,7 +252,10 @@ class AttentionTask {
         qk_int8(rb, j0, bc, w);
       } else if (plan_.bf16_dot) {  // Sᵀ = K · Qᵀ on bf16 pairs, then the scale
         qk_bf16(ksrc, bc, w);
-      } else {  // Sᵀ = K · Qᵀ, K packed (broadcasts from K in place stalled on L3)
+      } else if (plan_.k_in_place) {  // Sᵀ = K · Qᵀ
+        gemm<kWideRows, kWideVecs>(bc, ld, p_.D, reinterpret_cast<const float*>(ksrc), p_.k_stride[2], 1, w.qt, ld,
+                                   w.st, ld, false);
+      } else {
         pack_rows(ksrc, p_.k_stride[2], p_.k_stride[3], bc, p_.D, p_.D, w.k);
         gemm<kWideRows, kWideVecs>(bc, ld, p_.D, w.k, p_.D, 1, w.qt, ld, w.st, ld, false);
       }
@@ -351,17 +360,18 @@ class AttentionTask {
     }
   }
 
-  // Sᵀ = K · Qᵀ with K rows copied as bf16 pairs (no conversion), then Sᵀ *= scale.
+  // Sᵀ = K · Qᵀ on bf16 pairs (K rows in place, or copied as pairs), then Sᵀ *= scale.
   void qk_bf16(const E* ksrc, int64_t bc, const Workspace& w) const {
     const int64_t pairs = (p_.D + 1) / 2, ld = plan_.rows_pad;
-    uint32_t* kp = reinterpret_cast<uint32_t*>(w.k);
-    for (int64_t j = 0; j < bc; ++j) {
-      const E* row = ksrc + j * p_.k_stride[2];
-      for (int64_t d = 0; d < p_.D; d += 2) {
-        kp[j * pairs + d / 2] = pair(row[d * p_.k_stride[3]], d + 1 < p_.D ? row[(d + 1) * p_.k_stride[3]] : 0);
-      }
+    const uint32_t* keys = reinterpret_cast<const uint32_t*>(ksrc);
+    int64_t ldk = p_.k_stride[2] / 2;
+    if (!plan_.k_in_place) {
+      uint32_t* kp = reinterpret_cast<uint32_t*>(w.k);
+      const uint16_t* k16 = reinterpret_cast<const uint16_t*>(ksrc);  // E is bf16 on this path
+      for (int64_t j = 0; j < bc; ++j) pack_pairs(k16 + j * p_.k_stride[2], p_.k_stride[3], kp + j * pairs);
+      keys = kp, ldk = pairs;
     }
-    gemm_bf16<kWideRows, kWideVecs>(bc, ld, pairs, kp, pairs, 1, reinterpret_cast<const uint32_t*>(w.qt), ld,
+    gemm_bf16<kWideRows, kWideVecs>(bc, ld, pairs, keys, ldk, 1, reinterpret_cast<const uint32_t*>(w.qt), ld,
                                     w.st, ld, false);
     const vfloat scale = vbroadcast(p_.scale);
     for (int64_t i = 0; i < bc * ld; i += kLanes) vstore(w.st + i, vload(w.st + i) * scale);
@@ -382,7 +392,7 @@ class AttentionTask {
   void qk_rows_bf16(const RowBlock& rb, const E* ksrc, int64_t bc, const Workspace& w) const {
     const uint32_t* keys = reinterpret_cast<const uint32_t*>(ksrc);
     int64_t ldk = p_.k_stride[2] / 2;
-    if (!(bc == kLanes && p_.k_stride[3] == 1 && p_.k_stride[2] % 2 == 0 && p_.D == 2 * plan_.pairs_pad)) {
+    if (!(plan_.k_in_place && bc == kLanes)) {
       uint32_t* kp = reinterpret_cast<uint32_t*>(w.k);
       std::memset(kp, 0, sizeof(uint32_t) * kLanes * plan_.pairs_pad);
       const uint16_t* k16 = reinterpret_cast<const uint16_t*>(ksrc);  // E is bf16 on this path
