@@ -130,3 +130,15 @@ def test_decode_dropout_matches_prefill_rows(rng):
     alone = attnkit.attention(q[:, :, :1], k, v, dropout_p=0.3, seed=5, enable_gqa=True)
     full = attnkit.attention(q, k, v, dropout_p=0.3, seed=5, enable_gqa=True)
     np.testing.assert_allclose(alone[:, :, 0], full[:, :, 0], atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("D", [17, 32, 64])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_k_in_place_or_packed(rng, isa, dtype, D):
+    """Q·Kᵀ reads K rows in place when they allow it (fp32 of unit stride; bf16 rows that
+    are whole pairs on avx512bf16) and packs them otherwise: contiguous K, odd D, and
+    strided views (odd row strides, a step in the head dim) all agree with the reference."""
+    q, k, v = make_qkv(rng, 1, 4, 2, 49, 200, D, 24, dtype)
+    run_checked(q, k, v, dtype=dtype, enable_gqa=True, causal=True)
+    for _ in range(2):
+        run_checked(q, strided_like(k, rng)[0], v, dtype=dtype, enable_gqa=True)
