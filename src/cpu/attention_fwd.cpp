@@ -2,11 +2,12 @@
 // is a block of query rows sharing one kv head (the GQA group's heads × a run of query
 // positions). Per K/V tile of kKvTile keys it computes Sᵀ = K · Qᵀ (keys × rows, so the
 // softmax runs down columns with rows as the SIMD axis), the online softmax, and
-// O += P · V. K and V are converted once per tile and used by every row of the task (fp32
-// V with unit stride is read in place). Sᵀ has four sources: the fp32 gemm, the row-dot
-// kernel for decode, bf16 pairs (vdpbf16ps) for bf16 inputs on avx512bf16, and int8 codes
-// for sage_attention; masks, softmax, splits and the epilogue are shared. Scores never
-// exceed one tile. Compiled once per ISA.
+// O += P · V. K and V are read in place where their rows allow it (fp32 of unit stride,
+// bf16 pairs, bf16 V in split order), else converted once per tile, and used by every row
+// of the task. Sᵀ has three sources: the fp32 gemm, bf16 pairs (vdpbf16ps) for bf16 inputs
+// on avx512bf16, and int8 codes for sage_attention. Decode (few rows) runs attend_rows:
+// key blocks of one vector with row-major scores. Masks, dropout, splits and the epilogue
+// are shared. Scores never exceed one tile. Compiled once per ISA.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -104,7 +105,7 @@ struct Plan {
       k_in_place = p.dtype == DType::float32 && p.k_stride[3] == 1 && (!row_dot || p.D == d_pad);
     }
     v_in_place = p.dtype == DType::float32 && p.v_stride[3] == 1 && p.Dv == dv_pad;
-    v_split_bf16 = p.dtype == DType::bfloat16 && p.v_stride[3] == 1 && p.Dv % (2 * kLanes) == 0 && row_dot;
+    v_split_bf16 = p.dtype == DType::bfloat16 && p.v_stride[3] == 1 && p.Dv % (2 * kLanes) == 0 && !pv_bf16;
     workspace_floats = d_pad * rows_pad            // Qᵀ (or Q rows), scaled
                        + rows_pad * dv_pad         // output accumulators
                        + kKvTile * rows_pad        // Sᵀ, then Pᵀ
