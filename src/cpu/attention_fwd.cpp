@@ -32,6 +32,8 @@ constexpr int64_t kKvTile = 128;    // keys per tile (a multiple of 4: one dropo
 constexpr int64_t kMinSplitTiles = 4;      // a kv split covers at least this many tiles
 constexpr int64_t kMinParallelTasks = 16;  // fewer row blocks than this: split the keys
 constexpr int64_t kPrefetchRows = 32;      // packing asks for the row this far ahead (flat 16..64)
+// Keys per decode block (scores, softmax, P·V); 2 and 4 vectors measured slower out of cache.
+constexpr int64_t kDecodeKeys = kLanes;
 // Query rows per task (heads of a group × positions): a multiple of 16 (the Kᵀ·Q tile's
 // columns) and of 6 (the P·V tile's rows on AVX-512), measured best of 48, 64 and 96.
 constexpr int64_t kRowTarget = 48;
@@ -272,10 +274,11 @@ class AttentionTask {
     }
   }
 
-  // Decode: few rows, so keys go in blocks of kLanes, scores row-major (one vector per row,
-  // no padded rows). Reading a small block of K, then of V, keeps both streams going.
+  // Decode: few rows, so scores are row-major (keys along the lanes, no padded rows), in
+  // blocks of kDecodeKeys keys computed kLanes keys at a time. Reading a small block of K,
+  // then of V, with the next block of both prefetched, keeps two streams going.
   void attend_rows(const RowBlock& rb, int64_t begin, int64_t end, const Workspace& w) const {
-    const int64_t ld = kLanes;
+    const int64_t ld = kDecodeKeys;
     const Scores scores{w.st, 1, ld};
     if (plan_.bf16_dot) {
       pack_q_row_pairs(rb, reinterpret_cast<uint32_t*>(w.qt));
@@ -287,33 +290,42 @@ class AttentionTask {
 
     const E* kbase = static_cast<const E*>(p_.k) + rb.b * p_.k_stride[0] + rb.kvh * p_.k_stride[1];
     const E* vbase = static_cast<const E*>(p_.v) + rb.b * p_.v_stride[0] + rb.kvh * p_.v_stride[1];
-    for (int64_t j0 = begin; j0 < end; j0 += kLanes) {
-      const int64_t bc = end - j0 < kLanes ? end - j0 : kLanes;
+    for (int64_t j0 = begin; j0 < end; j0 += kDecodeKeys) {
+      const int64_t bc = end - j0 < kDecodeKeys ? end - j0 : kDecodeKeys;
+      const int64_t width = round_up(bc, kLanes);
       const E* ksrc = kbase + j0 * p_.k_stride[2];
-      const E* vsrc = vbase + j0 * p_.v_stride[2];
-      // K and V rows kPrefetchRows ahead into L2, alternating: decode streams both from
-      // memory, and two streams interleaved this finely read faster here than one at a time.
-      for (int64_t j = kPrefetchRows; j < kPrefetchRows + kLanes; ++j) {
+      // The next block's K and V rows into L2, alternating: decode streams both from memory,
+      // and two streams interleaved finely read faster here than one at a time.
+      for (int64_t j = kDecodeKeys; j < 2 * kDecodeKeys; ++j) {
         prefetch_bytes(ksrc, j * p_.k_stride[2] * int64_t{sizeof(E)}, p_.D * int64_t{sizeof(E)}, Cache::l2);
-        prefetch_bytes(vsrc, j * p_.v_stride[2] * int64_t{sizeof(E)}, p_.Dv * int64_t{sizeof(E)}, Cache::l2);
+        prefetch_bytes(vbase + j0 * p_.v_stride[2], j * p_.v_stride[2] * int64_t{sizeof(E)},
+                       p_.Dv * int64_t{sizeof(E)}, Cache::l2);
       }
-      if (plan_.bf16_dot) {
-        qk_rows_bf16(rb, ksrc, bc, w);
-      } else if (plan_.k_in_place && bc == kLanes) {
-        dot_key_block(rb.rows, p_.D, reinterpret_cast<const float*>(ksrc), p_.k_stride[2], w.qt, plan_.d_pad, w.st, ld);
-      } else {
-        pack_rows(ksrc, p_.k_stride[2], p_.k_stride[3], bc, p_.D, plan_.d_pad, w.k);
-        std::memset(w.k + bc * plan_.d_pad, 0, sizeof(float) * (kLanes - bc) * plan_.d_pad);
-        dot_key_block(rb.rows, plan_.d_pad, w.k, plan_.d_pad, w.qt, plan_.d_pad, w.st, ld);
+      for (int64_t c = 0; c < bc; c += kLanes) {
+        qk_key_block(rb, ksrc + c * p_.k_stride[2], bc - c < kLanes ? bc - c : kLanes, w.st + c, ld, w);
       }
       for (int64_t r = 0; r < rb.rows; ++r) {  // keys past the block's end
-        for (int64_t j = bc; j < kLanes; ++j) w.st[r * ld + j] = -INFINITY;
+        for (int64_t j = bc; j < width; ++j) w.st[r * ld + j] = -INFINITY;
       }
       apply_masks(rb, j0, bc, scores);
-      online_softmax_rows(w.st, kLanes, ld, rb.rows, w.m, w.l, w.alpha);
+      online_softmax_rows(w.st, width, ld, rb.rows, w.m, w.l, w.alpha);
       rescale_output(rb, w);
       if (p_.dropout_p > 0.0f) apply_dropout(rb, j0, bc, scores);
       accumulate_pv(rb, vbase, j0, bc, scores, w);
+    }
+  }
+
+  // Decode: s[r * lds + j] = K[j] · Q[r] for n <= kLanes keys at ksrc (lanes past n are
+  // left for the caller to mask): in place or packed, fp32 or bf16 pairs.
+  void qk_key_block(const RowBlock& rb, const E* ksrc, int64_t n, float* s, int64_t lds, const Workspace& w) const {
+    if (plan_.bf16_dot) {
+      qk_rows_bf16(rb, ksrc, n, s, lds, w);
+    } else if (plan_.k_in_place && n == kLanes) {
+      dot_key_block(rb.rows, p_.D, reinterpret_cast<const float*>(ksrc), p_.k_stride[2], w.qt, plan_.d_pad, s, lds);
+    } else {
+      pack_rows(ksrc, p_.k_stride[2], p_.k_stride[3], n, p_.D, plan_.d_pad, w.k);
+      std::memset(w.k + n * plan_.d_pad, 0, sizeof(float) * (kLanes - n) * plan_.d_pad);
+      dot_key_block(rb.rows, plan_.d_pad, w.k, plan_.d_pad, w.qt, plan_.d_pad, s, lds);
     }
   }
 
@@ -388,22 +400,22 @@ class AttentionTask {
     }
   }
 
-  // Decode: S[r][j] = K[j] · Q[r] on bf16 pairs for one block of keys, read in place when
-  // whole pairs of each row can be loaded as they are, then S *= scale.
-  void qk_rows_bf16(const RowBlock& rb, const E* ksrc, int64_t bc, const Workspace& w) const {
+  // Decode: s[r * lds + j] = K[j] · Q[r] on bf16 pairs for n <= kLanes keys, read in
+  // place when whole pairs of each row can be loaded as they are, then times the scale.
+  void qk_rows_bf16(const RowBlock& rb, const E* ksrc, int64_t n, float* s, int64_t lds, const Workspace& w) const {
     const uint32_t* keys = reinterpret_cast<const uint32_t*>(ksrc);
     int64_t ldk = p_.k_stride[2] / 2;
-    if (!(plan_.k_in_place && bc == kLanes)) {
+    if (!(plan_.k_in_place && n == kLanes)) {
       uint32_t* kp = reinterpret_cast<uint32_t*>(w.k);
       std::memset(kp, 0, sizeof(uint32_t) * kLanes * plan_.pairs_pad);
       const uint16_t* k16 = reinterpret_cast<const uint16_t*>(ksrc);  // E is bf16 on this path
-      for (int64_t j = 0; j < bc; ++j) pack_pairs(k16 + j * p_.k_stride[2], p_.k_stride[3], kp + j * plan_.pairs_pad);
+      for (int64_t j = 0; j < n; ++j) pack_pairs(k16 + j * p_.k_stride[2], p_.k_stride[3], kp + j * plan_.pairs_pad);
       keys = kp, ldk = plan_.pairs_pad;
     }
     dot_key_block_bf16(rb.rows, plan_.pairs_pad, keys, ldk, reinterpret_cast<const uint32_t*>(w.qt),
-                       plan_.pairs_pad, w.st, kLanes);
+                       plan_.pairs_pad, s, lds);
     const vfloat scale = vbroadcast(p_.scale);
-    for (int64_t r = 0; r < rb.rows; ++r) vstore(w.st + r * kLanes, vload(w.st + r * kLanes) * scale);
+    for (int64_t r = 0; r < rb.rows; ++r) vstore(s + r * lds, vload(s + r * lds) * scale);
   }
 
   // D elements at src (stride `stride`) as bf16 pairs; odd D ends with a zero.
@@ -415,7 +427,7 @@ class AttentionTask {
   void pack_qt_pairs(const RowBlock&, uint32_t*) const {}
   void qk_bf16(const E*, int64_t, const Workspace&) const {}
   void pack_q_row_pairs(const RowBlock&, uint32_t*) const {}
-  void qk_rows_bf16(const RowBlock&, const E*, int64_t, const Workspace&) const {}
+  void qk_rows_bf16(const RowBlock&, const E*, int64_t, float*, int64_t, const Workspace&) const {}
 #endif
 
   // Sage int8: Q rows quantised to int8 with one scale per row (the softmax scale folded
