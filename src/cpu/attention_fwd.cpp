@@ -614,7 +614,7 @@ private:
       const float* o = o_acc + r * plan_.dv_pad;
       E* dst = out + rb.b * p_.out_stride[0] + h * p_.out_stride[1] + i * p_.out_stride[2];
       if (plan_.v_split_bf16) {  // back to column order
-        for (int64_t d = 0; d < p_.Dv; ++d) scratch[d] = o[split_bf16_column(d)];
+        unsplit_bf16_row(o, p_.Dv, scratch);
         o = scratch;
       }
       store_row<T>(o, inv, p_.Dv, dst, p_.out_stride[3]);

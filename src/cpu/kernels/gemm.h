@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include "cpu/kernels/simd.h"
 #include "cpu/kernels/tiling.h"
@@ -108,6 +109,20 @@ void gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, int64_t 
 inline int64_t split_bf16_column(int64_t d) {
   const int64_t block = d / (2 * kLanes) * (2 * kLanes), i = d % (2 * kLanes);
   return block + (i % 2) * kLanes + i / 2;
+}
+
+// dst[d] = src[split_bf16_column(d)] for d < n (a multiple of 2·kLanes): each block's even
+// and odd vectors interleaved back into column order.
+template <int... L>
+inline void unsplit_bf16_block(const float* src, float* dst, std::integer_sequence<int, L...>) {
+  const vfloat even = vload(src), odd = vload(src + kLanes);
+  vstore(dst, __builtin_shufflevector(even, odd, (L / 2 + L % 2 * kLanes)...));
+  vstore(dst + kLanes, __builtin_shufflevector(even, odd, ((L + kLanes) / 2 + L % 2 * kLanes)...));
+}
+inline void unsplit_bf16_row(const float* src, int64_t n, float* dst) {
+  for (int64_t d = 0; d < n; d += 2 * kLanes) {
+    unsplit_bf16_block(src + d, dst + d, std::make_integer_sequence<int, kLanes>{});
+  }
 }
 
 }  // namespace attnkit::cpu::ATTNKIT_ISA
