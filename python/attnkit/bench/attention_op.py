@@ -51,6 +51,15 @@ def itemsize(name: str) -> int:
     return 4 if name == "float32" else 2
 
 
+def runs_bf16_dot(row) -> bool:
+    """Whether a row is attnkit's exact attention on bf16 with vdpbf16ps for Q·Kᵀ (1.75x the
+    fp32 FMA rate on Zen 4), which can exceed the fp32 FMA peak."""
+    import attnkit
+
+    return (row.contender in ("attnkit", "attnkit-exact") and row.case.dtype == "bfloat16"
+            and attnkit.get_isa() == "avx512bf16")
+
+
 @dataclass(frozen=True)
 class AttnShape:
     name: Optional[str]
@@ -289,10 +298,7 @@ class AttentionOp(BenchOp):
         return replace(s, Sq=sq, Skv=max(1, s.Skv // 4), quick=True)
 
     def may_exceed_fp32_peak(self, row) -> bool:
-        # bf16 Q·Kᵀ runs on vdpbf16ps where the CPU has it (1.75x the fp32 FMA rate on Zen 4)
-        import attnkit
-
-        return row.role == "attnkit" and row.case.dtype == "bfloat16" and attnkit.get_isa() == "avx512bf16"
+        return runs_bf16_dot(row)
 
     def dtypes_for(self, shape, requested):
         if requested is None:

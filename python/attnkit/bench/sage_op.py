@@ -23,7 +23,7 @@ from dataclasses import replace
 import numpy as np
 
 from .attention_op import (NAMED, AttentionOp, AttnInputs, AttnShape, _subset,
-                           exact_reference)
+                           exact_reference, runs_bf16_dot)
 from .registry import Check, Contender, register
 
 COS_MIN, REL_L1_MAX = 0.999, 0.02
@@ -79,7 +79,7 @@ class SageOp(AttentionOp):
         return (list(SAGE_DTYPES) if requested is None else list(requested)), ""
 
     def may_exceed_fp32_peak(self, row) -> bool:
-        return row.role == "attnkit"
+        return row.role == "attnkit" or runs_bf16_dot(row)
 
     # --- verification: the quantized contract for sage, attention's checks for exact peers
     def verify(self, case, ref, out):
