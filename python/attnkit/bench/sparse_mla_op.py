@@ -278,6 +278,12 @@ class SparseMlaOp(BenchOp):
     def quick_shape(self, s):
         return replace(s, s_q=min(s.s_q, QUICK_S_Q), quick=True)
 
+    def may_exceed_fp32_peak(self, row) -> bool:
+        # KV·Qᵀ runs on vdpbf16ps where the CPU has it (fp8 and bf16 values are exact in bf16)
+        import attnkit
+
+        return row.contender == "attnkit" and attnkit.get_isa() == "avx512bf16"
+
     def dtypes_for(self, shape, requested):
         if requested is None:
             return list(shape.dtypes or CUSTOM_DEFAULT_DTYPES), ""
