@@ -442,14 +442,29 @@ class AttentionTask {
       const E* src = base + (rb.h0 + r / rb.nq) * p_.q_stride[1] + (rb.i0 + r % rb.nq) * p_.q_stride[2];
       float* row = w.k;  // free until the first key tile
       load_row<T>(src, p_.q_stride[3], p_.D, 1.0f, row);
-      float amax = 0.0f;
-      for (int64_t d = 0; d < p_.D; ++d) amax = std::fabs(row[d]) > amax ? std::fabs(row[d]) : amax;
+      for (int64_t d = p_.D; d < plan_.d_pad; ++d) row[d] = 0.0f;
+      vfloat amax_lanes{};
+      for (int64_t d = 0; d < plan_.d_pad; d += kLanes) {
+        const vfloat a = (vfloat)((vint)vload(row + d) & 0x7FFFFFFF);
+        amax_lanes = a > amax_lanes ? a : amax_lanes;  // a NaN never wins
+      }
+      const float amax = hmax(amax_lanes);
       const float step = amax > 0.0f ? amax / 127.0f : 1.0f;
       w.q_scale[r] = step * p_.scale;
+      // codes = row / step rounded to nearest even (|codes| <= 127, so 1.5·2^23 rounds),
+      // written over the row.
+      int32_t* codes = reinterpret_cast<int32_t*>(row);
+      const vfloat vstep = vbroadcast(step);
+      vint sums{};
+      for (int64_t d = 0; d < plan_.d_pad; d += kLanes) {
+        const vint c = __builtin_convertvector((vload(row + d) / vstep + 12582912.0f) - 12582912.0f, vint);
+        sums += c;
+        std::memcpy(codes + d, &c, sizeof c);
+      }
       int32_t sum = 0;
+      for (int i = 0; i < kLanes; ++i) sum += sums[i];
       for (int64_t d = 0; d < p_.D; ++d) {
-        const int32_t code = static_cast<int32_t>(std::nearbyint(row[d] / step));
-        sum += code;
+        const int32_t code = codes[d];
 #if defined(ATTNKIT_ISA_avx512bf16)
         reinterpret_cast<uint8_t*>(reinterpret_cast<uint32_t*>(w.qt) + d / 4 * ld + r)[d % 4] =
             static_cast<uint8_t>(static_cast<int8_t>(code));
