@@ -123,13 +123,17 @@ def test_decode_masks_on_block_borders(rng, isa, causal, border):
     run_checked(q, k, v, dtype="bfloat16", mask=keep, causal=causal, enable_gqa=True)
 
 
-def test_decode_dropout_matches_prefill_rows(rng):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_dropout_matches_prefill_rows(rng, isa, dtype):
     """Dropout keeps the same keys on the key-block path as on the tiled path: query row 0
-    decoded alone equals row 0 of a 49-row prefill (no mask, so rows are independent)."""
-    q, k, v = make_qkv(rng, 1, 4, 1, 49, 300, 64, 64)
+    decoded alone equals row 0 of a 49-row prefill (no mask, so rows are independent),
+    within the rounding of the two paths' different summation orders and of the output."""
+    q, k, v = make_qkv(rng, 1, 4, 1, 49, 300, 64, 64, dtype)
     alone = attnkit.attention(q[:, :, :1], k, v, dropout_p=0.3, seed=5, enable_gqa=True)
     full = attnkit.attention(q, k, v, dropout_p=0.3, seed=5, enable_gqa=True)
-    np.testing.assert_allclose(alone[:, :, 0], full[:, :, 0], atol=2e-6, rtol=2e-6)
+    tol = {"float32": 2e-6, "float16": 2e-3, "bfloat16": 1.6e-2}[dtype]
+    np.testing.assert_allclose(alone[:, :, 0].astype(np.float32), full[:, :, 0].astype(np.float32),
+                               atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("D", [17, 32, 64])
