@@ -62,7 +62,7 @@ struct Plan {
   int64_t kv_splits, kv_split_len, tasks;  // tasks = row_blocks * kv_splits
   int64_t rows_pad, d_pad, dv_pad, workspace_floats, partial_floats;
   int64_t pairs_pad;            // bf16 pairs per Q/K row on the decode bf16 path (16 per vector)
-  bool row_dot;                 // few rows (decode): attend_rows, scores row-major
+  bool key_blocks;              // few rows (decode): attend_rows, scores row-major
   bool bf16_dot;                // bf16 inputs on avx512bf16: K·Qᵀ with vdpbf16ps
   bool int8;                    // sage int8 mode: K·Qᵀ on int8 codes
   bool pv_bf16;                 // sage int8 mode on avx512bf16: P·V on bf16 pairs
@@ -96,15 +96,15 @@ struct Plan {
     d_pad = round_up(p.D, kLanes);
     dv_pad = round_up(p.Dv, kLanes);
     pairs_pad = round_up((p.D + 1) / 2, 16);
-    row_dot = !int8 && rows <= kMaxDotRows && 2 * rows <= kLanes;
+    key_blocks = !int8 && rows <= kMaxDotRows && 2 * rows <= kLanes;
     bf16_dot = kDotProducts && !int8 && p.dtype == DType::bfloat16;
     pv_bf16 = kDotProducts && int8;
     // K rows read where they are: fp32 rows of unit stride; for vdpbf16ps, bf16 rows that
     // are whole pairs (the key block reads whole vectors, so D must fill them there).
     if (bf16_dot) {
-      k_in_place = p.k_stride[3] == 1 && p.k_stride[2] % 2 == 0 && p.D % 2 == 0 && (!row_dot || p.D == 2 * pairs_pad);
+      k_in_place = p.k_stride[3] == 1 && p.k_stride[2] % 2 == 0 && p.D % 2 == 0 && (!key_blocks || p.D == 2 * pairs_pad);
     } else {
-      k_in_place = p.dtype == DType::float32 && p.k_stride[3] == 1 && (!row_dot || p.D == d_pad);
+      k_in_place = p.dtype == DType::float32 && p.k_stride[3] == 1 && (!key_blocks || p.D == d_pad);
     }
     v_in_place = p.dtype == DType::float32 && p.v_stride[3] == 1 && p.Dv == dv_pad;
     v_split_bf16 = p.dtype == DType::bfloat16 && p.v_stride[3] == 1 && p.Dv % (2 * kLanes) == 0 && !pv_bf16;
@@ -233,7 +233,7 @@ class AttentionTask {
  private:
   // Runs keys [begin, end) through the tile loop, leaving the rows' state in w.o, w.m, w.l.
   void attend(const RowBlock& rb, int64_t begin, int64_t end, const Workspace& w) const {
-    if (plan_.row_dot) return attend_rows(rb, begin, end, w);
+    if (plan_.key_blocks) return attend_rows(rb, begin, end, w);
     const int64_t ld = plan_.rows_pad;
     const Scores scores{w.st, ld, 1};
     if (plan_.int8) {
@@ -547,7 +547,7 @@ class AttentionTask {
   void pv_bf16(const RowBlock&, int64_t, int64_t, const Workspace&) const {}
 #endif
 
-  // Q rows [rows][d_pad], pre-multiplied by the softmax scale, zero-padded (row-dot path).
+  // Q rows [rows][d_pad], pre-multiplied by the softmax scale, zero-padded (decode key-block path).
   void pack_q_rows(const RowBlock& rb, float* q) const {
     const E* base = static_cast<const E*>(p_.q) + rb.b * p_.q_stride[0];
     for (int64_t r = 0; r < rb.rows; ++r) {
