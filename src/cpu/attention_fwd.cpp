@@ -37,6 +37,7 @@ constexpr int64_t kDecodeKeys = kLanes;
 // Query rows per task (heads of a group × positions): a multiple of 16 (the Kᵀ·Q tile's
 // columns) and of 6 (the P·V tile's rows on AVX-512), measured best of 48, 64 and 96.
 constexpr int64_t kRowTarget = 48;
+constexpr uint32_t kBf16QuietNan = 0x7FC0;  // sage's bf16 P and V pairs: NaN stays NaN
 // Whether this variant has the bf16 and int8 dot-product instructions (vdpbf16ps, vpdpbusd).
 #if defined(ATTNKIT_ISA_avx512bf16)
 constexpr bool kDotProducts = true;
@@ -378,12 +379,7 @@ class AttentionTask {
     const int64_t pairs = (p_.D + 1) / 2, ld = plan_.rows_pad;
     const uint32_t* keys = reinterpret_cast<const uint32_t*>(ksrc);
     int64_t ldk = p_.k_stride[2] / 2;
-    if (!plan_.k_in_place) {
-      uint32_t* kp = reinterpret_cast<uint32_t*>(w.k);
-      const uint16_t* k16 = reinterpret_cast<const uint16_t*>(ksrc);  // E is bf16 on this path
-      for (int64_t j = 0; j < bc; ++j) pack_pairs(k16 + j * p_.k_stride[2], p_.k_stride[3], kp + j * pairs);
-      keys = kp, ldk = pairs;
-    }
+    if (!plan_.k_in_place) keys = pack_key_pairs(ksrc, bc, pairs, w), ldk = pairs;
     gemm_bf16<kWideRows, kWideVecs>(bc, ld, pairs, keys, ldk, 1, reinterpret_cast<const uint32_t*>(w.qt), ld,
                                     w.st, ld, false);
     const vfloat scale = vbroadcast(p_.scale);
@@ -405,11 +401,9 @@ class AttentionTask {
   void qk_rows_bf16(const RowBlock& rb, const E* ksrc, int64_t n, float* s, int64_t lds, const Workspace& w) const {
     const uint32_t* keys = reinterpret_cast<const uint32_t*>(ksrc);
     int64_t ldk = p_.k_stride[2] / 2;
-    if (!(plan_.k_in_place && n == kLanes)) {
-      uint32_t* kp = reinterpret_cast<uint32_t*>(w.k);
-      std::memset(kp, 0, sizeof(uint32_t) * kLanes * plan_.pairs_pad);
-      const uint16_t* k16 = reinterpret_cast<const uint16_t*>(ksrc);  // E is bf16 on this path
-      for (int64_t j = 0; j < n; ++j) pack_pairs(k16 + j * p_.k_stride[2], p_.k_stride[3], kp + j * plan_.pairs_pad);
+    if (!(plan_.k_in_place && n == kLanes)) {  // whole vectors of kLanes zero-padded rows
+      uint32_t* kp = pack_key_pairs(ksrc, n, plan_.pairs_pad, w);
+      std::memset(kp + n * plan_.pairs_pad, 0, sizeof(uint32_t) * (kLanes - n) * plan_.pairs_pad);
       keys = kp, ldk = plan_.pairs_pad;
     }
     dot_key_block_bf16(rb.rows, plan_.pairs_pad, keys, ldk, reinterpret_cast<const uint32_t*>(w.qt),
@@ -421,6 +415,18 @@ class AttentionTask {
   // D elements at src (stride `stride`) as bf16 pairs; odd D ends with a zero.
   void pack_pairs(const uint16_t* src, int64_t stride, uint32_t* dst) const {
     for (int64_t d = 0; d < p_.D; d += 2) dst[d / 2] = pair(src[d * stride], d + 1 < p_.D ? src[(d + 1) * stride] : 0);
+  }
+
+  // n K rows as bf16 pairs into w.k, rows of ld pairs (zero past the row's own pairs).
+  uint32_t* pack_key_pairs(const E* ksrc, int64_t n, int64_t ld, const Workspace& w) const {
+    uint32_t* kp = reinterpret_cast<uint32_t*>(w.k);
+    const uint16_t* k16 = reinterpret_cast<const uint16_t*>(ksrc);  // E is bf16 on this path
+    const int64_t pairs = (p_.D + 1) / 2;
+    for (int64_t j = 0; j < n; ++j) {
+      pack_pairs(k16 + j * p_.k_stride[2], p_.k_stride[3], kp + j * ld);
+      std::memset(kp + j * ld + pairs, 0, sizeof(uint32_t) * (ld - pairs));
+    }
+    return kp;
   }
 
 #else
@@ -529,7 +535,7 @@ class AttentionTask {
       for (int64_t r = 0; r < ld; r += kLanes) {
         const vfloat lo = vload(w.st + 2 * jp * ld + r);
         const vfloat hi = 2 * jp + 1 < bc ? vload(w.st + (2 * jp + 1) * ld + r) : vfloat{};
-        const vuint packed = round_to_bf16_bits(lo) | (round_to_bf16_bits(hi) << 16);
+        const vuint packed = round_to_bf16_bits(lo, kBf16QuietNan) | (round_to_bf16_bits(hi, kBf16QuietNan) << 16);
         std::memcpy(pp + jp * ld + r, &packed, sizeof packed);
       }
     }
@@ -727,7 +733,8 @@ void prepare_sage(const AttentionParams& p, uint8_t* codes, float* scale, float*
       if (2 * jp + 1 < p.Skv) load_row<T>(v + (2 * jp + 1) * p.v_stride[2], p.v_stride[3], p.Dv, 1.0f, row1);
       uint32_t* dst = v_pairs + (head * pairs + jp) * dv_pad;
       for (int64_t d = 0; d < dv_pad; d += kLanes) {
-        const vuint packed = round_to_bf16_bits(vload(row0 + d)) | (round_to_bf16_bits(vload(row1 + d)) << 16);
+        const vuint packed =
+            round_to_bf16_bits(vload(row0 + d), kBf16QuietNan) | (round_to_bf16_bits(vload(row1 + d), kBf16QuietNan) << 16);
         std::memcpy(dst + d, &packed, sizeof packed);
       }
     }

@@ -130,14 +130,19 @@ inline void load_row(const typename Elem<T>::type* src, int64_t stride, int64_t 
   }
 }
 
-// kLanes floats rounded to bf16 exactly as attnkit::float_to_bfloat16: nearest even,
-// overflow to inf, every NaN to 0xFFFF (torch's vectorised kernel).
+// fp32 -> bf16 bits in the low half of each lane: round to nearest even, overflow to inf,
+// NaN lanes to nan_bits. (Vector extensions: GCC 12 warns inside the masked AVX-512 shift
+// intrinsics.)
+inline vuint round_to_bf16_bits(vfloat x, uint32_t nan_bits) {
+  const vuint u = (vuint)x;
+  const vuint rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return x != x ? vuint{} + nan_bits : rounded;
+}
+
+// kLanes floats rounded to bf16 exactly as attnkit::float_to_bfloat16: every NaN to
+// 0xFFFF (torch's vectorised kernel).
 inline void vstore_bf16(uint16_t* dst, vfloat x) {
-  typedef uint32_t vuint32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-  const vuint32 u = (vuint32)x;
-  const vuint32 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  const vuint32 bits = x != x ? vuint32{} + 0xFFFFu : rounded;
-  const vhalf h = __builtin_convertvector(bits, vhalf);
+  const vhalf h = __builtin_convertvector(round_to_bf16_bits(x, 0xFFFFu), vhalf);
   std::memcpy(dst, &h, sizeof h);
 }
 

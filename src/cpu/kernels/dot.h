@@ -38,10 +38,9 @@ inline void dot_key_block_bf16(int64_t rows, int64_t k_pairs, const uint32_t* ke
     vfloat acc[kLanes] = {};
     for (int64_t p = 0; p < k_pairs; p += 16) {
       const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + r * ldq + p);
-      const uint32_t* key = keys + p;  // stepped row by row: 16 row pointers would spill
 #pragma GCC unroll 16
-      for (int j = 0; j < kLanes; ++j, key += ldk) {
-        acc[j] = (vfloat)_mm512_dpbf16_ps((__m512)acc[j], qv, (__m512bh)_mm512_loadu_si512(key));
+      for (int j = 0; j < kLanes; ++j) {
+        acc[j] = (vfloat)_mm512_dpbf16_ps((__m512)acc[j], qv, (__m512bh)_mm512_loadu_si512(keys + j * ldk + p));
       }
     }
     vstore(s + r * lds, transpose_sum(acc));

@@ -58,16 +58,6 @@ void gemm_bf16(int64_t m, int64_t n, int64_t k_pairs, const uint32_t* a, int64_t
   });
 }
 
-typedef uint32_t vuint __attribute__((vector_size(64)));
-
-// fp32 -> bf16 bits in the low half of each lane: round to nearest even, NaN stays NaN.
-// (Vector extensions: GCC 12 warns inside the masked AVX-512 shift intrinsics.)
-inline vuint round_to_bf16_bits(vfloat x) {
-  const vuint u = (vuint)x;
-  const vuint rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return x != x ? vuint{} + 0x7FC0u : rounded;
-}
-
 }  // namespace attnkit::cpu::ATTNKIT_ISA
 
 #endif  // ATTNKIT_ISA_avx512bf16

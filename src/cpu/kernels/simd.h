@@ -27,6 +27,7 @@ inline constexpr int kLanes = 4;
 
 typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef uint32_t vuint __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 
 inline vfloat vload(const float* p) {
   vfloat v;
