@@ -283,14 +283,9 @@ class AttentionOp(BenchOp):
     description = "dense scaled dot-product attention (attnkit.attention vs torch SDPA)"
 
     # --- shapes -------------------------------------------------------------------------
-    def named_shapes(self):
-        return dict(NAMED)
-
-    def default_shape_names(self):
-        return list(DEFAULT_SHAPES)
-
-    def parse_shape(self, text):
-        return parse_shape(text)
+    shapes = NAMED
+    default_shapes = tuple(DEFAULT_SHAPES)
+    shape_parser = staticmethod(parse_shape)
 
     def quick_shape(self, s):
         # Sequence lengths / 4 (V: S=1152, A: S=512, Dc: Skv=2048); a decode row stays 1.

@@ -63,16 +63,20 @@ class BenchOp:
     name = "?"
     description = ""
 
-    # --- shapes -------------------------------------------------------------------------
+    # --- shapes: an op names its shapes, its default ones and its spec parser ----------
+    shapes: dict = {}
+    default_shapes: tuple = ()
+    shape_parser = None  # staticmethod: "name" or "key=value,..." -> shape; raises ValueError
+
     def named_shapes(self) -> dict:
-        raise NotImplementedError
+        return dict(self.shapes)
 
     def default_shape_names(self) -> list:
-        raise NotImplementedError
+        return list(self.default_shapes)
 
     def parse_shape(self, text: str):
         """A named shape or a custom "key=value,..." spec; raises ValueError."""
-        raise NotImplementedError
+        return self.shape_parser(text)
 
     def quick_shape(self, shape):
         """The scaled-down version for --quick."""

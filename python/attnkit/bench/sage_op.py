@@ -69,11 +69,8 @@ class SageOp(AttentionOp):
     description = "quantized attention (attnkit.sage_attention int8 vs attnkit exact and torch SDPA)"
 
     # --- shapes: attention's parsing and quick scaling; V and A by default, bf16 + fp32 ----
-    def named_shapes(self):
-        return {n: replace(NAMED[n], dtypes=SAGE_DTYPES, only_dtypes=False) for n in ("V", "A")}
-
-    def default_shape_names(self):
-        return ["V", "A"]
+    shapes = {n: replace(NAMED[n], dtypes=SAGE_DTYPES, only_dtypes=False) for n in ("V", "A")}
+    default_shapes = ("V", "A")
 
     def dtypes_for(self, shape, requested):
         return (list(SAGE_DTYPES) if requested is None else list(requested)), ""

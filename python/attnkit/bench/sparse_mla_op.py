@@ -266,14 +266,9 @@ class SparseMlaOp(BenchOp):
     quick_note = f"s_q at most {QUICK_S_Q}"
 
     # --- shapes -------------------------------------------------------------------------
-    def named_shapes(self):
-        return dict(NAMED)
-
-    def default_shape_names(self):
-        return list(DEFAULT_SHAPES)
-
-    def parse_shape(self, text):
-        return parse_shape(text)
+    shapes = NAMED
+    default_shapes = tuple(DEFAULT_SHAPES)
+    shape_parser = staticmethod(parse_shape)
 
     def quick_shape(self, s):
         return replace(s, s_q=min(s.s_q, QUICK_S_Q), quick=True)
