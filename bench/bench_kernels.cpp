@@ -16,11 +16,11 @@
 //   decode/dot_key_block/fp32       S = Q · Kᵀ    4 rows × kLanes keys × 128, K in place
 //   decode/dot_key_block/bf16       the same on bf16 pairs (k_pairs=64); avx512bf16
 //   decode/online_softmax_rows      4 rows × kLanes keys
-//   decode/gemm_pv/fp32/<tall>      O += P · V    m=4 n=128 k=kLanes, P row-major (lda=kLanes,
+//   decode/gemm_pv/fp32/<row>       O += P · V    m=4 n=128 k=kLanes, P row-major (lda=kLanes,
 //                                   a_step=1), accumulating
-//   decode/gemm_pv/split_bf16/<tall> the same with V rows in bf16, read in place (split order)
-// <wide> is the register tile kWideRows × kWideVecs, <tall> kTallRows × kTallVecs (split bf16:
-// kTallVecs rounded down to whole pairs of vectors), as the op uses them.
+//   decode/gemm_pv/split_bf16/<row> the same with V rows in bf16, read in place (split order)
+// <wide> is the register tile kWideRows × kWideVecs, <tall> kTallRows × kTallVecs, <row>
+// kRowRows × kRowVecs (split bf16: rounded down to whole pairs of vectors), as the op uses them.
 // Data: the prefill tile's operands (64 KB of fp32 K, 64 KB of V) stay cache-resident, as a
 // tile does in the op while every row of the task uses it. The decode K and V span 64 blocks
 // read in rotation (512 KB of fp32 K on AVX-512): out of L1 but L2-resident, so this is not a
@@ -237,14 +237,22 @@ void bm_attention_tile_bf16(benchmark::State& state, double peak_gflops) {
 
 constexpr int64_t kDecodeKeys = kLanes;
 
+// Query rows per vector in the decode key block, and the chunks of a 128-element row (bf16:
+// of its 64 pairs), as attention_fwd.cpp's plan picks them.
+const int kDecodeGroup = rows_per_vector(kDecodeRows);
+const int64_t kDecodeChunks = kD / (kLanes / kDecodeGroup), kDecodePairChunks = kPairs / (kLanes / kDecodeGroup);
+
 // s[4][kLanes] = Q[4][128] · Kᵀ, K rows in place (ldk = D) as the next block each call.
 void bm_dot_key_block(benchmark::State& state, double peak_gflops) {
   const Buffer<float> k = random_buffer(kDecodeBlocks * kDecodeKeys * kD, 21),
                       q = random_buffer(kDecodeRows * kD, 22, kScoreScale);
+  Buffer<float> qg = random_buffer(kDecodeRows * kD + kLanes * kD, 22);
+  group_rows(kDecodeGroup, kDecodeRows, kD, q.get(), kD, kDecodeChunks, qg.get());
   Buffer<float> s = random_buffer(kDecodeRows * kDecodeKeys, 23);
   int64_t block = 0;
   time_flops(state, 2.0 * kDecodeRows * kDecodeKeys * kD, peak_gflops, [&] {
-    dot_key_block(kDecodeRows, kD, k.get() + block * kDecodeKeys * kD, kD, q.get(), kD, s.get(), kDecodeKeys);
+    dot_key_block(kDecodeGroup, kDecodeRows, kDecodeChunks, k.get() + block * kDecodeKeys * kD, kD, qg.get(), s.get(),
+                  kDecodeKeys);
     block = (block + 1) & (kDecodeBlocks - 1);
     benchmark::DoNotOptimize(s.get());
     benchmark::ClobberMemory();
@@ -256,11 +264,13 @@ void bm_dot_key_block(benchmark::State& state, double peak_gflops) {
 void bm_dot_key_block_bf16(benchmark::State& state, double peak_gflops) {
   const Buffer<uint16_t> k = random_bf16(kDecodeBlocks * kDecodeKeys * kD, 24),
                          q = random_bf16(kDecodeRows * kD, 25);
+  Buffer<uint16_t> qg = random_bf16(2 * (kDecodeRows * kPairs + kLanes * kPairs), 25);
+  group_rows(kDecodeGroup, kDecodeRows, kPairs, as_pairs(q), kPairs, kDecodePairChunks, reinterpret_cast<uint32_t*>(qg.get()));
   Buffer<float> s = random_buffer(kDecodeRows * kDecodeKeys, 26);
   int64_t block = 0;
   time_flops(state, 2.0 * kDecodeRows * kDecodeKeys * kD, peak_gflops, [&] {
-    dot_key_block_bf16(kDecodeRows, kPairs, as_pairs(k) + block * kDecodeKeys * kPairs, kPairs, as_pairs(q), kPairs,
-                       s.get(), kDecodeKeys);
+    dot_key_block_bf16(kDecodeGroup, kDecodeRows, kDecodePairChunks, as_pairs(k) + block * kDecodeKeys * kPairs, kPairs,
+                       as_pairs(qg), s.get(), kDecodeKeys);
     block = (block + 1) & (kDecodeBlocks - 1);
     benchmark::DoNotOptimize(s.get());
     benchmark::ClobberMemory();
@@ -292,7 +302,7 @@ void bm_decode_pv(benchmark::State& state, double peak_gflops) {
   const Buffer<V> v = random_values<V>(kDecodeBlocks * kDecodeKeys * kDv, 30, 1e-3f);
   int64_t block = 0;
   time_flops(state, 2.0 * kDecodeRows * kDv * kDecodeKeys, peak_gflops, [&] {
-    gemm<kTallRows, kTallVecs>(kDecodeRows, kDv, kDecodeKeys, p.get(), kDecodeKeys, 1,
+    gemm<kRowRows, kRowVecs>(kDecodeRows, kDv, kDecodeKeys, p.get(), kDecodeKeys, 1,
                                v.get() + block * kDecodeKeys * kDv, kDv, o.get(), kDv, true);
     block = (block + 1) & (kDecodeBlocks - 1);
     benchmark::DoNotOptimize(o.get());
@@ -310,7 +320,8 @@ void register_benchmarks(double peak_gflops) {
     return std::string(kind) + std::to_string(rows) + "x" + std::to_string(vecs);
   };
   const std::string wide = tile("wide", kWideRows, kWideVecs), tall = tile("tall", kTallRows, kTallVecs),
-                    tall_split = tile("tall", kTallRows, kTallVecs / 2 * 2);
+                    tall_split = tile("tall", kTallRows, kTallVecs / 2 * 2), row = tile("row", kRowRows, kRowVecs),
+                    row_split = tile("row", kRowRows, kRowVecs / 2 * 2);
   const std::string lanes = std::to_string(kLanes);
   auto add = [&](const std::string& name, auto fn, auto... args) {
     benchmark::RegisterBenchmark((isa + "/" + name).c_str(), fn, args...);
@@ -334,8 +345,8 @@ void register_benchmarks(double peak_gflops) {
     add("decode/dot_key_block/bf16/rows4_keys" + lanes + "_kpairs64", bm_dot_key_block_bf16, peak_gflops);
 #endif
     add("decode/online_softmax_rows/rows4_keys" + lanes, bm_softmax_rows);
-    add("decode/gemm_pv/fp32/" + tall + "/m4_n128_k" + lanes, bm_decode_pv<float>, peak_gflops);
-    add("decode/gemm_pv/split_bf16/" + tall_split + "/m4_n128_k" + lanes, bm_decode_pv<uint16_t>, peak_gflops);
+    add("decode/gemm_pv/fp32/" + row + "/m4_n128_k" + lanes, bm_decode_pv<float>, peak_gflops);
+    add("decode/gemm_pv/split_bf16/" + row_split + "/m4_n128_k" + lanes, bm_decode_pv<uint16_t>, peak_gflops);
   }
 }
 

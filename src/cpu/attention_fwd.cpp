@@ -62,8 +62,9 @@ struct Plan {
   int64_t heads_per_task, positions_per_task, head_chunks, q_blocks, row_blocks;
   int64_t kv_splits, kv_split_len, tasks;  // tasks = row_blocks * kv_splits
   int64_t rows_pad, d_pad, dv_pad, workspace_floats, partial_floats;
-  int64_t pairs_pad;            // bf16 pairs per Q/K row on the decode bf16 path (16 per vector)
   bool key_blocks;              // few rows (decode): attend_rows, scores row-major
+  int rows_per_vec;             // decode: query rows side by side in one vector (dot.h)
+  int64_t chunks;               // decode: a Q/K row in chunks of kLanes / rows_per_vec elements (bf16: pairs)
   bool bf16_dot;                // bf16 inputs on avx512bf16: K·Qᵀ with vdpbf16ps
   bool int8;                    // sage int8 mode: K·Qᵀ on int8 codes
   bool pv_bf16;                 // sage int8 mode on avx512bf16: P·V on bf16 pairs
@@ -96,16 +97,18 @@ struct Plan {
     rows_pad = round_up(rows, kLanes);
     d_pad = round_up(p.D, kLanes);
     dv_pad = round_up(p.Dv, kLanes);
-    pairs_pad = round_up((p.D + 1) / 2, 16);
     key_blocks = !int8 && rows <= kMaxDotRows && 2 * rows <= kLanes;
     bf16_dot = kDotProducts && !int8 && p.dtype == DType::bfloat16;
     pv_bf16 = kDotProducts && int8;
+    rows_per_vec = rows_per_vector(rows);
+    const int64_t segment = kLanes / rows_per_vec, elems = bf16_dot ? (p.D + 1) / 2 : p.D;
+    chunks = (elems + segment - 1) / segment;
     // K rows read where they are: fp32 rows of unit stride; for vdpbf16ps, bf16 rows that
-    // are whole pairs (the key block reads whole vectors, so D must fill them there).
+    // are whole pairs (the key block reads whole chunks, so D must fill them there).
     if (bf16_dot) {
-      k_in_place = p.k_stride[3] == 1 && p.k_stride[2] % 2 == 0 && p.D % 2 == 0 && (!key_blocks || p.D == 2 * pairs_pad);
+      k_in_place = p.k_stride[3] == 1 && p.k_stride[2] % 2 == 0 && p.D % 2 == 0 && (!key_blocks || elems % segment == 0);
     } else {
-      k_in_place = p.dtype == DType::float32 && p.k_stride[3] == 1 && (!key_blocks || p.D == d_pad);
+      k_in_place = p.dtype == DType::float32 && p.k_stride[3] == 1 && (!key_blocks || elems % segment == 0);
     }
     v_in_place = p.dtype == DType::float32 && p.v_stride[3] == 1 && p.Dv == dv_pad;
     v_split_bf16 = p.dtype == DType::bfloat16 && p.v_stride[3] == 1 && p.Dv % (2 * kLanes) == 0 && !pv_bf16;
@@ -282,9 +285,9 @@ class AttentionTask {
     const int64_t ld = kDecodeKeys;
     const Scores scores{w.st, 1, ld};
     if (plan_.bf16_dot) {
-      pack_q_row_pairs(rb, reinterpret_cast<uint32_t*>(w.qt));
+      pack_q_row_pairs(rb, w);
     } else {
-      pack_q_rows(rb, w.qt);
+      pack_q_rows(rb, w);
     }
     std::memset(w.o, 0, sizeof(float) * rb.rows * plan_.dv_pad);
     for (int64_t r = 0; r < rb.rows; ++r) w.m[r] = -INFINITY, w.l[r] = 0.0f;
@@ -295,13 +298,12 @@ class AttentionTask {
       const int64_t bc = end - j0 < kDecodeKeys ? end - j0 : kDecodeKeys;
       const int64_t width = round_up(bc, kLanes);
       const E* ksrc = kbase + j0 * p_.k_stride[2];
-      // The next block's K and V rows into L2, alternating: decode streams both from memory,
-      // and two streams interleaved finely read faster here than one at a time.
-      for (int64_t j = kDecodeKeys; j < 2 * kDecodeKeys; ++j) {
-        prefetch_bytes(ksrc, j * p_.k_stride[2] * int64_t{sizeof(E)}, p_.D * int64_t{sizeof(E)}, Cache::l2);
-        prefetch_bytes(vbase + j0 * p_.v_stride[2], j * p_.v_stride[2] * int64_t{sizeof(E)},
-                       p_.Dv * int64_t{sizeof(E)}, Cache::l2);
-      }
+      // The next block's K rows into L2 before this block's Q·Kᵀ, its V rows before P·V. K
+      // and V are read in address order, so the hardware prefetchers stream them too; this
+      // keeps decode near the read floor when memory is contended (two threads, or a busy
+      // host), where they alone measured up to 2x slower; only part of each row, or
+      // prefetches spread key by key, measured slower than none.
+      prefetch_rows(ksrc, kDecodeKeys, p_.k_stride[2], p_.D);
       for (int64_t c = 0; c < bc; c += kLanes) {
         qk_key_block(rb, ksrc + c * p_.k_stride[2], bc - c < kLanes ? bc - c : kLanes, w.st + c, ld, w);
       }
@@ -312,7 +314,16 @@ class AttentionTask {
       online_softmax_rows(w.st, width, ld, rb.rows, w.m, w.l, w.alpha);
       rescale_output(rb, w);
       if (p_.dropout_p > 0.0f) apply_dropout(rb, j0, bc, scores);
+      prefetch_rows(vbase, j0 + kDecodeKeys, p_.v_stride[2], p_.Dv);
       accumulate_pv(rb, vbase, j0, bc, scores, w);
+    }
+  }
+
+  // Decode: rows first .. first + kDecodeKeys - 1 of `cols` elements from src into L2
+  // (rows past the end are harmless: prefetches never fault).
+  static void prefetch_rows(const E* src, int64_t first, int64_t row_stride, int64_t cols) {
+    for (int64_t j = first; j < first + kDecodeKeys; ++j) {
+      prefetch_bytes(src, j * row_stride * int64_t{sizeof(E)}, cols * int64_t{sizeof(E)}, Cache::l2);
     }
   }
 
@@ -322,11 +333,13 @@ class AttentionTask {
     if (plan_.bf16_dot) {
       qk_rows_bf16(rb, ksrc, n, s, lds, w);
     } else if (plan_.k_in_place && n == kLanes) {
-      dot_key_block(rb.rows, p_.D, reinterpret_cast<const float*>(ksrc), p_.k_stride[2], w.qt, plan_.d_pad, s, lds);
-    } else {
-      pack_rows(ksrc, p_.k_stride[2], p_.k_stride[3], n, p_.D, plan_.d_pad, w.k);
-      std::memset(w.k + n * plan_.d_pad, 0, sizeof(float) * (kLanes - n) * plan_.d_pad);
-      dot_key_block(rb.rows, plan_.d_pad, w.k, plan_.d_pad, w.qt, plan_.d_pad, s, lds);
+      dot_key_block(plan_.rows_per_vec, rb.rows, plan_.chunks, reinterpret_cast<const float*>(ksrc), p_.k_stride[2],
+                    w.qt, s, lds);
+    } else {  // whole chunks of kLanes zero-padded rows
+      const int64_t ld = plan_.chunks * (kLanes / plan_.rows_per_vec);
+      pack_rows(ksrc, p_.k_stride[2], p_.k_stride[3], n, p_.D, ld, w.k);
+      std::memset(w.k + n * ld, 0, sizeof(float) * (kLanes - n) * ld);
+      dot_key_block(plan_.rows_per_vec, rb.rows, plan_.chunks, w.k, ld, w.qt, s, lds);
     }
   }
 
@@ -341,7 +354,7 @@ class AttentionTask {
   void accumulate_pv(const RowBlock& rb, const E* vbase, int64_t j0, int64_t bc, const Scores& p,
                      const Workspace& w) const {
     if (plan_.v_split_bf16) {
-      gemm<kTallRows, kTallVecs>(rb.rows, plan_.dv_pad, bc, p.s, p.row_stride, p.key_stride,
+      gemm<kRowRows, kRowVecs>(rb.rows, plan_.dv_pad, bc, p.s, p.row_stride, p.key_stride,
                                  reinterpret_cast<const uint16_t*>(vbase + j0 * p_.v_stride[2]), p_.v_stride[2], w.o,
                                  plan_.dv_pad, true);
       return;
@@ -386,14 +399,16 @@ class AttentionTask {
     for (int64_t i = 0; i < bc * ld; i += kLanes) vstore(w.st + i, vload(w.st + i) * scale);
   }
 
-  // Decode: Q rows as bf16 pairs [rows][pairs_pad], unscaled, zero-padded.
-  void pack_q_row_pairs(const RowBlock& rb, uint32_t* qp) const {
+  // Decode: Q rows as bf16 pairs, unscaled, grouped for dot_key_block_bf16 into w.qt (via w.k).
+  void pack_q_row_pairs(const RowBlock& rb, const Workspace& w) const {
     const uint16_t* base = static_cast<const uint16_t*>(p_.q) + rb.b * p_.q_stride[0];
-    std::memset(qp, 0, sizeof(uint32_t) * rb.rows * plan_.pairs_pad);
+    const int64_t pairs = (p_.D + 1) / 2;
+    uint32_t* rows = reinterpret_cast<uint32_t*>(w.k);  // free until the first key block
     for (int64_t r = 0; r < rb.rows; ++r) {
       const uint16_t* src = base + (rb.h0 + r / rb.nq) * p_.q_stride[1] + (rb.i0 + r % rb.nq) * p_.q_stride[2];
-      pack_pairs(src, p_.q_stride[3], qp + r * plan_.pairs_pad);
+      pack_pairs(src, p_.q_stride[3], rows + r * pairs);
     }
+    group_rows(plan_.rows_per_vec, rb.rows, pairs, rows, pairs, plan_.chunks, reinterpret_cast<uint32_t*>(w.qt));
   }
 
   // Decode: s[r * lds + j] = K[j] · Q[r] on bf16 pairs for n <= kLanes keys, read in
@@ -401,13 +416,14 @@ class AttentionTask {
   void qk_rows_bf16(const RowBlock& rb, const E* ksrc, int64_t n, float* s, int64_t lds, const Workspace& w) const {
     const uint32_t* keys = reinterpret_cast<const uint32_t*>(ksrc);
     int64_t ldk = p_.k_stride[2] / 2;
-    if (!(plan_.k_in_place && n == kLanes)) {  // whole vectors of kLanes zero-padded rows
-      uint32_t* kp = pack_key_pairs(ksrc, n, plan_.pairs_pad, w);
-      std::memset(kp + n * plan_.pairs_pad, 0, sizeof(uint32_t) * (kLanes - n) * plan_.pairs_pad);
-      keys = kp, ldk = plan_.pairs_pad;
+    if (!(plan_.k_in_place && n == kLanes)) {  // whole chunks of kLanes zero-padded rows
+      const int64_t ld = plan_.chunks * (kLanes / plan_.rows_per_vec);
+      uint32_t* kp = pack_key_pairs(ksrc, n, ld, w);
+      std::memset(kp + n * ld, 0, sizeof(uint32_t) * (kLanes - n) * ld);
+      keys = kp, ldk = ld;
     }
-    dot_key_block_bf16(rb.rows, plan_.pairs_pad, keys, ldk, reinterpret_cast<const uint32_t*>(w.qt),
-                       plan_.pairs_pad, s, lds);
+    dot_key_block_bf16(plan_.rows_per_vec, rb.rows, plan_.chunks, keys, ldk, reinterpret_cast<const uint32_t*>(w.qt),
+                       s, lds);
     const vfloat scale = vbroadcast(p_.scale);
     for (int64_t r = 0; r < rb.rows; ++r) vstore(s + r * lds, vload(s + r * lds) * scale);
   }
@@ -432,7 +448,7 @@ class AttentionTask {
 #else
   void pack_qt_pairs(const RowBlock&, uint32_t*) const {}
   void qk_bf16(const E*, int64_t, const Workspace&) const {}
-  void pack_q_row_pairs(const RowBlock&, uint32_t*) const {}
+  void pack_q_row_pairs(const RowBlock&, const Workspace&) const {}
   void qk_rows_bf16(const RowBlock&, const E*, int64_t, float*, int64_t, const Workspace&) const {}
 #endif
 
@@ -553,15 +569,14 @@ class AttentionTask {
   void pv_bf16(const RowBlock&, int64_t, int64_t, const Workspace&) const {}
 #endif
 
-  // Q rows [rows][d_pad], pre-multiplied by the softmax scale, zero-padded (decode key-block path).
-  void pack_q_rows(const RowBlock& rb, float* q) const {
+  // Decode: Q rows pre-multiplied by the softmax scale, grouped for dot_key_block into w.qt (via w.k).
+  void pack_q_rows(const RowBlock& rb, const Workspace& w) const {
     const E* base = static_cast<const E*>(p_.q) + rb.b * p_.q_stride[0];
     for (int64_t r = 0; r < rb.rows; ++r) {
       const E* src = base + (rb.h0 + r / rb.nq) * p_.q_stride[1] + (rb.i0 + r % rb.nq) * p_.q_stride[2];
-      float* dst = q + r * plan_.d_pad;
-      load_row<T>(src, p_.q_stride[3], p_.D, p_.scale, dst);
-      for (int64_t d = p_.D; d < plan_.d_pad; ++d) dst[d] = 0.0f;
+      load_row<T>(src, p_.q_stride[3], p_.D, p_.scale, w.k + r * p_.D);
     }
+    group_rows(plan_.rows_per_vec, rb.rows, p_.D, w.k, p_.D, plan_.chunks, w.qt);
   }
 
 private:

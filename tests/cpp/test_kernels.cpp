@@ -211,6 +211,27 @@ ISA_TEST(Simd, TransposeSumSumsEachVector) {
   }
 }
 
+// transpose_segments<G>: afterwards segment n of v[r] is what segment r of v[n] was.
+template <int G>
+void check_transpose_segments() {
+  constexpr int seg = kLanes / G;
+  vfloat v[G], v0[G];
+  for (int r = 0; r < G; ++r) {
+    for (int i = 0; i < kLanes; ++i) v[r][i] = float(100 * r + i);
+    v0[r] = v[r];
+  }
+  transpose_segments<G>(v);
+  for (int r = 0; r < G; ++r) {
+    for (int i = 0; i < kLanes; ++i) ASSERT_EQ(v[r][i], v0[i / seg][r * seg + i % seg]) << "G=" << G << " r=" << r << " lane " << i;
+  }
+}
+ISA_TEST(Simd, TransposeSegments) {
+  SKIP_UNLESS_RUNNABLE();
+  check_transpose_segments<1>();
+  if constexpr (kMaxRowsPerVector >= 2) check_transpose_segments<2>();
+  if constexpr (kMaxRowsPerVector >= 4) check_transpose_segments<4>();
+}
+
 ISA_TEST(Simd, AnyGreaterComparesLanewise) {
   SKIP_UNLESS_RUNNABLE();
   std::mt19937 gen(17);
@@ -240,37 +261,87 @@ ISA_TEST(Simd, AnyGreaterComparesLanewise) {
   }
 }
 
-// dot_key_block on padded strides: keys and q are NaN past k (reading them shows), s is NaN
-// inside [rows][kLanes] (must be fully written) and a sentinel elsewhere (must stay).
+// The row groupings a decode block can take on this ISA, and key-row lengths (elements, or
+// bf16 pairs) for each: one chunk, a few, an odd count, and 16 chunks (Q held in registers).
+std::vector<int> row_groupings() {
+  std::vector<int> gs;
+  for (int g = 1; g <= kMaxRowsPerVector; g *= 2) gs.push_back(g);
+  return gs;
+}
+std::vector<int64_t> key_lengths(int g) {
+  const int64_t seg = kLanes / g;
+  return {seg, 2 * seg, 5 * seg, 16 * seg, 128};
+}
+
+// dot_key_block over every grouping on padded strides: keys and q are NaN past k (reading
+// them shows), s is NaN inside [rows][kLanes] (must be fully written) and a sentinel
+// elsewhere (must stay).
 ISA_TEST(Dot, KeyBlockMatchesFloat64Reference) {
   SKIP_UNLESS_RUNNABLE();
   std::mt19937 gen(19);
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  for (int64_t rows = 1; rows <= kMaxDotRows; ++rows) {
-    for (int64_t k : {kLanes, 2 * kLanes, 5 * kLanes, 128}) {
-      const int64_t ldk = k + 3, ldq = k + 5, lds = kLanes + 3;
-      std::vector<float> keys(kLanes * ldk, NAN), q(rows * ldq, NAN), s((rows + 1) * lds, 12345.0f);
-      for (int64_t j = 0; j < kLanes; ++j) {
-        for (int64_t p = 0; p < k; ++p) keys[j * ldk + p] = dist(gen);
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t p = 0; p < k; ++p) q[r * ldq + p] = dist(gen);
-        for (int64_t j = 0; j < kLanes; ++j) s[r * lds + j] = NAN;
-      }
-      dot_key_block(rows, k, keys.data(), ldk, q.data(), ldq, s.data(), lds);
-      for (int64_t r = 0; r < rows + 1; ++r) {
-        for (int64_t j = 0; j < lds; ++j) {
-          if (r == rows || j >= kLanes) {
-            ASSERT_EQ(s[r * lds + j], 12345.0f) << "rows=" << rows << " k=" << k << " at (" << r << ", " << j << ")";
-            continue;
-          }
-          double ref = 0.0, mag = 0.0;
-          for (int64_t p = 0; p < k; ++p) {
-            const double t = double(keys[j * ldk + p]) * q[r * ldq + p];
-            ref += t, mag += std::fabs(t);
-          }
-          ASSERT_NEAR(s[r * lds + j], ref, 1e-6 * mag) << "rows=" << rows << " k=" << k << " at (" << r << ", " << j << ")";
+  for (int g : row_groupings()) {
+    for (int64_t rows = 1; rows <= kMaxDotRows; ++rows) {
+      for (int64_t k : key_lengths(g)) {
+        const int64_t ldk = k + 3, ldq = k + 5, lds = kLanes + 3, chunks = k / (kLanes / g);
+        std::vector<float> keys(kLanes * ldk, NAN), q(rows * ldq, NAN), s((rows + 1) * lds, 12345.0f);
+        std::vector<float> qg((rows + g) * (k + kLanes), NAN);
+        for (int64_t j = 0; j < kLanes; ++j) {
+          for (int64_t p = 0; p < k; ++p) keys[j * ldk + p] = dist(gen);
         }
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t p = 0; p < k; ++p) q[r * ldq + p] = dist(gen);
+          for (int64_t j = 0; j < kLanes; ++j) s[r * lds + j] = NAN;
+        }
+        group_rows(g, rows, k, q.data(), ldq, chunks, qg.data());
+        dot_key_block(g, rows, chunks, keys.data(), ldk, qg.data(), s.data(), lds);
+        for (int64_t r = 0; r < rows + 1; ++r) {
+          for (int64_t j = 0; j < lds; ++j) {
+            const std::string at = "g=" + std::to_string(g) + " rows=" + std::to_string(rows) + " k=" + std::to_string(k) +
+                                   " at (" + std::to_string(r) + ", " + std::to_string(j) + ")";
+            if (r == rows || j >= kLanes) {
+              ASSERT_EQ(s[r * lds + j], 12345.0f) << at;
+              continue;
+            }
+            double ref = 0.0, mag = 0.0;
+            for (int64_t p = 0; p < k; ++p) {
+              const double t = double(keys[j * ldk + p]) * q[r * ldq + p];
+              ref += t, mag += std::fabs(t);
+            }
+            ASSERT_NEAR(s[r * lds + j], ref, 1e-6 * mag) << at;
+          }
+        }
+      }
+    }
+  }
+}
+
+// group_rows: lane r * S + i of vector (b * chunks + c) is element c * S + i of row b * g + r,
+// zero past the rows and past the columns; nothing past the grouped size is written.
+ISA_TEST(Dot, GroupRowsLayout) {
+  SKIP_UNLESS_RUNNABLE();
+  for (int g : row_groupings()) {
+    const int64_t seg = kLanes / g;
+    for (int64_t rows : {1, 3, kMaxDotRows}) {
+      for (int64_t cols : {seg - 1, 3 * seg, 3 * seg + 1}) {
+        if (cols < 1) continue;
+        const int64_t ldq = cols + 2, chunks = (cols + seg - 1) / seg, blocks = (rows + g - 1) / g;
+        std::vector<float> q(rows * ldq);
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t e = 0; e < ldq; ++e) q[r * ldq + e] = e < cols ? float(1000 * r + e + 1) : NAN;
+        }
+        std::vector<float> qg(blocks * chunks * kLanes + 7, -1.0f);
+        group_rows(g, rows, cols, q.data(), ldq, chunks, qg.data());
+        for (int64_t b = 0; b < blocks; ++b) {
+          for (int64_t c = 0; c < chunks; ++c) {
+            for (int64_t lane = 0; lane < kLanes; ++lane) {
+              const int64_t r = b * g + lane / seg, e = c * seg + lane % seg;
+              const float want = r < rows && e < cols ? float(1000 * r + e + 1) : 0.0f;
+              ASSERT_EQ(qg[(b * chunks + c) * kLanes + lane], want) << "g=" << g << " rows=" << rows << " cols=" << cols;
+            }
+          }
+        }
+        for (int64_t i = blocks * chunks * kLanes; i < int64_t(qg.size()); ++i) ASSERT_EQ(qg[i], -1.0f);
       }
     }
   }
@@ -548,41 +619,49 @@ ISA_TEST(GemmBf16, MatchesFloat64Reference) {
   }
 }
 
-// dot_key_block_bf16: pairs of bf16 (element 2p low, 2p + 1 high) dotted exactly, summed in
-// fp32. NaN pairs past k_pairs, NaN-poisoned s inside [rows][kLanes], a sentinel outside.
+// dot_key_block_bf16 over every grouping: pairs of bf16 (element 2p low, 2p + 1 high)
+// dotted exactly, summed in fp32. NaN pairs past k_pairs, NaN-poisoned s inside
+// [rows][kLanes], a sentinel outside.
 ISA_TEST(Dot, KeyBlockBf16MatchesFloat64Reference) {
   SKIP_UNLESS_RUNNABLE();
   std::mt19937 gen(31);
   std::normal_distribution<float> dist;
   auto pair = [&] { return float_to_bfloat16(dist(gen)) | uint32_t{float_to_bfloat16(dist(gen))} << 16; };
   auto widen = [](uint32_t x, int half) { return double(bfloat16_to_float(uint16_t(x >> (16 * half)))); };
-  for (int64_t rows = 1; rows <= kMaxDotRows; ++rows) {
-    for (int64_t k_pairs : {16, 48, 64}) {
-      const int64_t ldk = k_pairs + 3, ldq = k_pairs + 1, lds = kLanes + 5;
-      std::vector<uint32_t> keys(kLanes * ldk, 0xFFFFFFFFu), q(rows * ldq, 0xFFFFFFFFu);
-      std::vector<float> s((rows + 1) * lds, 12345.0f);
-      for (int64_t j = 0; j < kLanes; ++j) {
-        for (int64_t p = 0; p < k_pairs; ++p) keys[j * ldk + p] = pair();
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t p = 0; p < k_pairs; ++p) q[r * ldq + p] = pair();
-        for (int64_t j = 0; j < kLanes; ++j) s[r * lds + j] = NAN;
-      }
-      dot_key_block_bf16(rows, k_pairs, keys.data(), ldk, q.data(), ldq, s.data(), lds);
-      for (int64_t r = 0; r < rows + 1; ++r) {
-        for (int64_t j = 0; j < lds; ++j) {
-          if (r == rows || j >= kLanes) {
-            ASSERT_EQ(s[r * lds + j], 12345.0f) << "rows=" << rows << " pairs=" << k_pairs << " at (" << r << ", " << j << ")";
-            continue;
-          }
-          double ref = 0.0, mag = 0.0;
-          for (int64_t p = 0; p < k_pairs; ++p) {
-            for (int half = 0; half < 2; ++half) {
-              const double t = widen(keys[j * ldk + p], half) * widen(q[r * ldq + p], half);
-              ref += t, mag += std::fabs(t);
+  for (int g : row_groupings()) {
+    for (int64_t rows = 1; rows <= kMaxDotRows; ++rows) {
+      for (int64_t k_pairs : key_lengths(g)) {
+        const int64_t ldk = k_pairs + 3, ldq = k_pairs + 1, lds = kLanes + 5, chunks = k_pairs / (kLanes / g);
+        std::vector<uint32_t> keys(kLanes * ldk, 0xFFFFFFFFu), q(rows * ldq, 0xFFFFFFFFu);
+        std::vector<uint32_t> qg((rows + g) * (k_pairs + kLanes), 0xFFFFFFFFu);
+        std::vector<float> s((rows + 1) * lds, 12345.0f);
+        for (int64_t j = 0; j < kLanes; ++j) {
+          for (int64_t p = 0; p < k_pairs; ++p) keys[j * ldk + p] = pair();
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t p = 0; p < k_pairs; ++p) q[r * ldq + p] = pair();
+          for (int64_t j = 0; j < kLanes; ++j) s[r * lds + j] = NAN;
+        }
+        group_rows(g, rows, k_pairs, q.data(), ldq, chunks, qg.data());
+        dot_key_block_bf16(g, rows, chunks, keys.data(), ldk, qg.data(), s.data(), lds);
+        for (int64_t r = 0; r < rows + 1; ++r) {
+          for (int64_t j = 0; j < lds; ++j) {
+            const std::string at = "g=" + std::to_string(g) + " rows=" + std::to_string(rows) +
+                                   " pairs=" + std::to_string(k_pairs) + " at (" + std::to_string(r) + ", " +
+                                   std::to_string(j) + ")";
+            if (r == rows || j >= kLanes) {
+              ASSERT_EQ(s[r * lds + j], 12345.0f) << at;
+              continue;
             }
+            double ref = 0.0, mag = 0.0;
+            for (int64_t p = 0; p < k_pairs; ++p) {
+              for (int half = 0; half < 2; ++half) {
+                const double t = widen(keys[j * ldk + p], half) * widen(q[r * ldq + p], half);
+                ref += t, mag += std::fabs(t);
+              }
+            }
+            ASSERT_NEAR(s[r * lds + j], ref, 1e-6 * mag) << at;
           }
-          ASSERT_NEAR(s[r * lds + j], ref, 1e-6 * mag) << "rows=" << rows << " pairs=" << k_pairs << " at (" << r << ", " << j << ")";
         }
       }
     }

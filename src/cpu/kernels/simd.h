@@ -90,29 +90,92 @@ inline float hsum(vfloat v) {
 #endif
 }
 
-// One round of transpose_sum: a and b each hold kLanes / W keys with W partial sums apiece
-// (key blocks contiguous); the result holds a's keys then b's with W / 2 partial sums each.
-// In the concatenation [a | b], key block k starts at lane k * W for both halves alike.
-template <int W, int... L>
-inline vfloat transpose_sum_pair(vfloat a, vfloat b, std::integer_sequence<int, L...>) {
-  return __builtin_shufflevector(a, b, (L / (W / 2) * W + L % (W / 2))...) +
-         __builtin_shufflevector(a, b, (L / (W / 2) * W + L % (W / 2) + W / 2)...);
-}
-template <int W>
-inline vfloat transpose_sum_rounds(vfloat* v) {
-  if constexpr (W == 1) {
-    return v[0];
+// Row-grouped vectors (the decode key block): a vector holds kLanes / S segments of S lanes,
+// one query row per segment. S = kLanes is the plain layout.
+
+// S lanes at p broadcast to every segment: one load (vbroadcastf32x4 from memory costs no
+// shuffle). Intrinsics: GCC spells the portable shufflevector through the stack; the
+// all-ones maskz forms avoid GCC 12's false -Wmaybe-uninitialized in the unmasked ones.
+template <int S>
+inline vfloat vload_segment(const float* p) {
+  static_assert(S == kLanes || S == 4 || S == 8, "segments of 4, 8 or kLanes lanes");
+  if constexpr (S == kLanes) {
+    return vload(p);
   } else {
+#if defined(ATTNKIT_ISA_avx512)
+    if constexpr (S == 4) {
+      return (vfloat)_mm512_maskz_broadcast_f32x4(0xFFFF, _mm_loadu_ps(p));
+    } else {
+      return (vfloat)_mm512_maskz_broadcast_f32x8(0xFFFF, _mm256_loadu_ps(p));
+    }
+#elif defined(ATTNKIT_ISA_avx2)
+    return (vfloat)_mm256_broadcast_ps(reinterpret_cast<const __m128*>(p));
+#endif
+  }
+}
+
+// One round of transpose_sum: within each segment of S lanes, a and b each hold S / W keys
+// with W partial sums apiece (key blocks contiguous); the result's segment holds a's keys
+// then b's with W / 2 partial sums each. Lane L of the result takes the sum of two lanes of
+// the concatenation [a | b]: key k = t / (W / 2) of the segment, partials W / 2 apart.
+constexpr int transpose_sum_source(int S, int W, int L, int half) {
+  const int segment = L / S, t = L % S;
+  const int at = t / (W / 2) * W + t % (W / 2) + half * (W / 2);  // in [0, 2S): a's keys, then b's
+  return at < S ? segment * S + at : kLanes + segment * S + at - S;
+}
+template <int S, int W, int... L>
+inline vfloat transpose_sum_pair(vfloat a, vfloat b, std::integer_sequence<int, L...>) {
+  return __builtin_shufflevector(a, b, transpose_sum_source(S, W, L, 0)...) +
+         __builtin_shufflevector(a, b, transpose_sum_source(S, W, L, 1)...);
+}
+// Reduces v[0 .. N), W partials per key and segment, to v[0 .. N / W), whose segment r
+// holds the sums of row r for W times as many consecutive keys as each input held.
+template <int S, int W, int N>
+inline void transpose_sum_rounds(vfloat* v) {
+  if constexpr (W > 1) {
 #pragma GCC unroll 16
-    for (int i = 0; i < W / 2; ++i) v[i] = transpose_sum_pair<W>(v[2 * i], v[2 * i + 1], std::make_integer_sequence<int, kLanes>{});
-    return transpose_sum_rounds<W / 2>(v);
+    for (int i = 0; i < N / 2; ++i) {
+      v[i] = transpose_sum_pair<S, W>(v[2 * i], v[2 * i + 1], std::make_integer_sequence<int, kLanes>{});
+    }
+    transpose_sum_rounds<S, W / 2, N / 2>(v);
   }
 }
 
 // Lane j of the result is the sum of v[j]'s lanes: kLanes horizontal sums done together in
 // log2(kLanes) rounds of two shuffles and an add (kLanes - 1 rounds' worth of vectors in
 // all), instead of kLanes separate reductions. Overwrites v.
-inline vfloat transpose_sum(vfloat (&v)[kLanes]) { return transpose_sum_rounds<kLanes>(v); }
+inline vfloat transpose_sum(vfloat (&v)[kLanes]) {
+  transpose_sum_rounds<kLanes, kLanes, kLanes>(v);
+  return v[0];
+}
+
+// Lanes of a's (lo: first, hi: second) half of segments interleaved with b's, segment by
+// segment of S lanes: lo = [a0 b0 a1 b1 ...], hi = [a(n/2) b(n/2) ...].
+template <int S, int Half, int... L>
+inline vfloat interleave_segments(vfloat a, vfloat b, std::integer_sequence<int, L...>) {
+  return __builtin_shufflevector(
+      a, b, ((L / S) % 2 * kLanes + (Half * kLanes / 2 + L / S / 2 * S) + L % S)...);
+}
+template <int S, int Half>
+inline vfloat interleave_segments(vfloat a, vfloat b) {
+  return interleave_segments<S, Half>(a, b, std::make_integer_sequence<int, kLanes>{});
+}
+
+// The G x G transpose of segments (S = kLanes / G lanes each): afterwards segment n of v[r]
+// is what segment r of v[n] was. G is 1, 2 or 4.
+template <int G>
+inline void transpose_segments(vfloat* v) {
+  constexpr int S = kLanes / G;
+  if constexpr (G == 2) {
+    const vfloat lo = interleave_segments<S, 0>(v[0], v[1]), hi = interleave_segments<S, 1>(v[0], v[1]);
+    v[0] = lo, v[1] = hi;
+  } else if constexpr (G == 4) {
+    const vfloat a0 = interleave_segments<S, 0>(v[0], v[1]), a1 = interleave_segments<S, 1>(v[0], v[1]);
+    const vfloat b0 = interleave_segments<S, 0>(v[2], v[3]), b1 = interleave_segments<S, 1>(v[2], v[3]);
+    v[0] = interleave_segments<2 * S, 0>(a0, b0), v[1] = interleave_segments<2 * S, 1>(a0, b0);
+    v[2] = interleave_segments<2 * S, 0>(a1, b1), v[3] = interleave_segments<2 * S, 1>(a1, b1);
+  }
+}
 
 // Asks the caches for bytes [offset, offset + n) of the object at p, one prefetch per 64-byte
 // line, into L1 or only as far as L2. Prefetches never fault, so the range may lie past the
