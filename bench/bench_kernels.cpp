@@ -239,8 +239,8 @@ constexpr int64_t kDecodeKeys = kLanes;
 
 // Query rows per vector in the decode key block, and the chunks of a 128-element row (bf16:
 // of its 64 pairs), as attention_fwd.cpp's plan picks them.
-const int kDecodeGroup = rows_per_vector(kDecodeRows);
-const int64_t kDecodeChunks = kD / (kLanes / kDecodeGroup), kDecodePairChunks = kPairs / (kLanes / kDecodeGroup);
+const int kDecodeGroup = rows_per_vector(kDecodeRows, kD), kDecodePairGroup = rows_per_vector(kDecodeRows, kPairs);
+const int64_t kDecodeChunks = kD / (kLanes / kDecodeGroup), kDecodePairChunks = kPairs / (kLanes / kDecodePairGroup);
 
 // s[4][kLanes] = Q[4][128] · Kᵀ, K rows in place (ldk = D) as the next block each call.
 void bm_dot_key_block(benchmark::State& state, double peak_gflops) {
@@ -265,11 +265,11 @@ void bm_dot_key_block_bf16(benchmark::State& state, double peak_gflops) {
   const Buffer<uint16_t> k = random_bf16(kDecodeBlocks * kDecodeKeys * kD, 24),
                          q = random_bf16(kDecodeRows * kD, 25);
   Buffer<uint16_t> qg = random_bf16(2 * (kDecodeRows * kPairs + kLanes * kPairs), 25);
-  group_rows(kDecodeGroup, kDecodeRows, kPairs, as_pairs(q), kPairs, kDecodePairChunks, reinterpret_cast<uint32_t*>(qg.get()));
+  group_rows(kDecodePairGroup, kDecodeRows, kPairs, as_pairs(q), kPairs, kDecodePairChunks, reinterpret_cast<uint32_t*>(qg.get()));
   Buffer<float> s = random_buffer(kDecodeRows * kDecodeKeys, 26);
   int64_t block = 0;
   time_flops(state, 2.0 * kDecodeRows * kDecodeKeys * kD, peak_gflops, [&] {
-    dot_key_block_bf16(kDecodeGroup, kDecodeRows, kDecodePairChunks, as_pairs(k) + block * kDecodeKeys * kPairs, kPairs,
+    dot_key_block_bf16(kDecodePairGroup, kDecodeRows, kDecodePairChunks, as_pairs(k) + block * kDecodeKeys * kPairs, kPairs,
                        as_pairs(qg), s.get(), kDecodeKeys);
     block = (block + 1) & (kDecodeBlocks - 1);
     benchmark::DoNotOptimize(s.get());

@@ -100,8 +100,9 @@ struct Plan {
     key_blocks = !int8 && rows <= kMaxDotRows && 2 * rows <= kLanes;
     bf16_dot = kDotProducts && !int8 && p.dtype == DType::bfloat16;
     pv_bf16 = kDotProducts && int8;
-    rows_per_vec = rows_per_vector(rows);
-    const int64_t segment = kLanes / rows_per_vec, elems = bf16_dot ? (p.D + 1) / 2 : p.D;
+    const int64_t elems = bf16_dot ? (p.D + 1) / 2 : p.D;  // per Q/K row: fp32, or bf16 pairs
+    rows_per_vec = rows_per_vector(rows, elems);
+    const int64_t segment = kLanes / rows_per_vec;
     chunks = (elems + segment - 1) / segment;
     // K rows read where they are: fp32 rows of unit stride; for vdpbf16ps, bf16 rows that
     // are whole pairs (the key block reads whole chunks, so D must fill them there).
@@ -353,21 +354,24 @@ class AttentionTask {
   // O += P · V for keys j0 .. j0+bc-1, V read in place (fp32, unit stride) or packed.
   void accumulate_pv(const RowBlock& rb, const E* vbase, int64_t j0, int64_t bc, const Scores& p,
                      const Workspace& w) const {
-    if (plan_.v_split_bf16) {
-      gemm<kRowRows, kRowVecs>(rb.rows, plan_.dv_pad, bc, p.s, p.row_stride, p.key_stride,
-                                 reinterpret_cast<const uint16_t*>(vbase + j0 * p_.v_stride[2]), p_.v_stride[2], w.o,
+    // Decode takes whole-row tiles (V read in address order), the tile loop tall ones.
+    auto gemm_pv = [&](const auto* v, int64_t ldv) {
+      if (plan_.key_blocks) {
+        gemm<kRowRows, kRowVecs>(rb.rows, plan_.dv_pad, bc, p.s, p.row_stride, p.key_stride, v, ldv, w.o,
                                  plan_.dv_pad, true);
-      return;
-    }
-    const float* v = w.v;
-    int64_t ldv = plan_.dv_pad;
-    if (plan_.v_in_place) {
-      v = reinterpret_cast<const float*>(vbase + j0 * p_.v_stride[2]), ldv = p_.v_stride[2];
+      } else {
+        gemm<kTallRows, kTallVecs>(rb.rows, plan_.dv_pad, bc, p.s, p.row_stride, p.key_stride, v, ldv, w.o,
+                                   plan_.dv_pad, true);
+      }
+    };
+    if (plan_.v_split_bf16) {
+      gemm_pv(reinterpret_cast<const uint16_t*>(vbase + j0 * p_.v_stride[2]), p_.v_stride[2]);
+    } else if (plan_.v_in_place) {
+      gemm_pv(reinterpret_cast<const float*>(vbase + j0 * p_.v_stride[2]), p_.v_stride[2]);
     } else {
       pack_rows(vbase + j0 * p_.v_stride[2], p_.v_stride[2], p_.v_stride[3], bc, p_.Dv, plan_.dv_pad, w.v);
+      gemm_pv(static_cast<const float*>(w.v), plan_.dv_pad);
     }
-    gemm<kTallRows, kTallVecs>(rb.rows, plan_.dv_pad, bc, p.s, p.row_stride, p.key_stride, v, ldv, w.o,
-                               plan_.dv_pad, true);
   }
 
 #if defined(ATTNKIT_ISA_avx512bf16)

@@ -102,6 +102,18 @@ def test_decode_key_blocks(rng, isa, dtype, Skv, D, Dv):
     run_checked(q, k, v, dtype=dtype, enable_gqa=True)
 
 
+# Query rows go side by side in the key-block dot: up to 4 rows per vector on AVX-512 (2 on
+# AVX2), fewer where a row would take more than 16 chunks of its vector (fp32 at D = 128 and
+# 256, bf16 pairs at D = 256). Groups of 1, 2, 3 (a padded row) and 8 (two vectors of rows).
+@pytest.mark.parametrize("Skv", [KEY_BLOCK + 1, 300])
+@pytest.mark.parametrize("D,Dv", [(17, 33), (64, 32), (128, 96), (256, 64)])
+@pytest.mark.parametrize("group", [1, 2, 3, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_row_groupings(rng, isa, dtype, group, D, Dv, Skv):
+    q, k, v = make_qkv(rng, 1, 2 * group, 2, 1, Skv, D, Dv, dtype)
+    run_checked(q, k, v, dtype=dtype, enable_gqa=True)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_strided_kv(rng, isa, dtype):
     """Strided K and V (odd row strides, a step in the head dim): nothing read in place

@@ -22,10 +22,16 @@ inline constexpr int kMaxDotRows = 8;
 // Segments hold at least 4 lanes: 128 bits, the widest broadcast load without a shuffle.
 inline constexpr int kMaxRowsPerVector = kLanes / 4 < 1 ? 1 : kLanes / 4;
 
-// Query rows per vector for `rows` rows: the next power of two, at most kMaxRowsPerVector.
-inline int rows_per_vector(int64_t rows) {
+// Chunks of a query row that stay in registers through the key loop (more are reloaded
+// at every step, which made the loop load-bound).
+inline constexpr int64_t kRegisterChunks = 16;
+
+// Query rows per vector for `rows` rows of `cols` elements: the next power of two, at most
+// kMaxRowsPerVector, and fewer where the row would take more than kRegisterChunks chunks.
+inline int rows_per_vector(int64_t rows, int64_t cols) {
   int g = 1;
   while (g < rows && g < kMaxRowsPerVector) g *= 2;
+  while (g > 1 && (cols + kLanes / g - 1) / (kLanes / g) > kRegisterChunks) g /= 2;
   return g;
 }
 
@@ -88,7 +94,9 @@ inline void dot_key_block_grouped(int64_t rows, int64_t chunks, const float* key
 template <int G, class Dot>
 inline void dot_key_block_chunks(int64_t rows, int64_t chunks, const float* keys, int64_t ldk, const float* qg,
                                  float* s, int64_t lds) {
+  static_assert(kRegisterChunks == 16, "compiled chunk counts");
   if (chunks == 16) return dot_key_block_grouped<G, Dot, 16>(rows, chunks, keys, ldk, qg, s, lds);
+  if (chunks == 8) return dot_key_block_grouped<G, Dot, 8>(rows, chunks, keys, ldk, qg, s, lds);
   dot_key_block_grouped<G, Dot, 0>(rows, chunks, keys, ldk, qg, s, lds);
 }
 
