@@ -299,12 +299,13 @@ class AttentionTask {
       const int64_t bc = end - j0 < kDecodeKeys ? end - j0 : kDecodeKeys;
       const int64_t width = round_up(bc, kLanes);
       const E* ksrc = kbase + j0 * p_.k_stride[2];
-      // The next block's K rows into L2 before this block's Q·Kᵀ, its V rows before P·V. K
-      // and V are read in address order, so the hardware prefetchers stream them too; this
-      // keeps decode near the read floor when memory is contended (two threads, or a busy
-      // host), where they alone measured up to 2x slower; only part of each row, or
-      // prefetches spread key by key, measured slower than none.
-      prefetch_rows(ksrc, kDecodeKeys, p_.k_stride[2], p_.D);
+      // This block's V rows into L2 before its Q·Kᵀ, the next block's K rows before its P·V:
+      // each about half a block ahead of use. K and V are read in address order, so the
+      // hardware prefetchers stream them too, and alone they measured fastest when memory
+      // was idle but up to 2x slower when it was contended (two threads, a busy host);
+      // this order measured best of those tried across both (the next block's K and V,
+      // two blocks ahead, only part of each row, prefetches spread key by key).
+      prefetch_rows(vbase, j0, p_.v_stride[2], p_.Dv);
       for (int64_t c = 0; c < bc; c += kLanes) {
         qk_key_block(rb, ksrc + c * p_.k_stride[2], bc - c < kLanes ? bc - c : kLanes, w.st + c, ld, w);
       }
@@ -315,7 +316,7 @@ class AttentionTask {
       online_softmax_rows(w.st, width, ld, rb.rows, w.m, w.l, w.alpha);
       rescale_output(rb, w);
       if (p_.dropout_p > 0.0f) apply_dropout(rb, j0, bc, scores);
-      prefetch_rows(vbase, j0 + kDecodeKeys, p_.v_stride[2], p_.Dv);
+      prefetch_rows(ksrc, kDecodeKeys, p_.k_stride[2], p_.D);
       accumulate_pv(rb, vbase, j0, bc, scores, w);
     }
   }
