@@ -24,7 +24,8 @@
 // Data: the prefill tile's operands (64 KB of fp32 K, 64 KB of V) stay cache-resident, as a
 // tile does in the op while every row of the task uses it. The decode K and V span 64 blocks
 // read in rotation (512 KB of fp32 K on AVX-512): out of L1 but L2-resident, so this is not a
-// memory-streaming measurement (the op prefetches the next block into L2).
+// memory-streaming measurement (the op streams K and V from memory, prefetched into L2; the
+// Dc row of `python -m attnkit.bench` measures that).
 // Counters: FLOPS (useful FLOP/s: 2·m·n·k per gemm, 2·rows·keys·D per dot block), pct_peak
 // (of this ISA's fp32 FMA peak on one thread, measured at start-up; vdpbf16ps does twice the
 // multiply-adds of an fp32 FMA, so bf16 rows may exceed 100), scores/s for the softmaxes.
