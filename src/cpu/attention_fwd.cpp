@@ -244,7 +244,7 @@ class AttentionTask {
     if (plan_.int8) {
       pack_q_int8(rb, w);
     } else if (plan_.bf16_dot) {
-      pack_qt_pairs(rb, reinterpret_cast<uint32_t*>(w.qt));
+      pack_qt_pairs(rb, reinterpret_cast<uint32_t*>(w.qt), w);
     } else {
       pack_qt(rb, w.qt);
     }
@@ -380,15 +380,14 @@ class AttentionTask {
 
   // Qᵀ as bf16 pairs along D: qtp[p][r] = (q[r][2p], q[r][2p+1]), unscaled (the scale is
   // applied to the fp32 scores); odd D ends with a zero.
-  void pack_qt_pairs(const RowBlock& rb, uint32_t* qtp) const {
+  void pack_qt_pairs(const RowBlock& rb, uint32_t* qtp, const Workspace& w) const {
     const uint16_t* base = static_cast<const uint16_t*>(p_.q) + rb.b * p_.q_stride[0];
     const int64_t ld = plan_.rows_pad, pairs = (p_.D + 1) / 2;
+    uint32_t* row = reinterpret_cast<uint32_t*>(w.k);  // free until the first key tile
     std::memset(qtp, 0, sizeof(uint32_t) * pairs * ld);
     for (int64_t r = 0; r < rb.rows; ++r) {
-      const uint16_t* src = base + (rb.h0 + r / rb.nq) * p_.q_stride[1] + (rb.i0 + r % rb.nq) * p_.q_stride[2];
-      for (int64_t d = 0; d < p_.D; d += 2) {
-        qtp[d / 2 * ld + r] = pair(src[d * p_.q_stride[3]], d + 1 < p_.D ? src[(d + 1) * p_.q_stride[3]] : 0);
-      }
+      pack_pairs(base + (rb.h0 + r / rb.nq) * p_.q_stride[1] + (rb.i0 + r % rb.nq) * p_.q_stride[2], p_.q_stride[3], row);
+      for (int64_t i = 0; i < pairs; ++i) qtp[i * ld + r] = row[i];
     }
   }
 
@@ -435,6 +434,11 @@ class AttentionTask {
 
   // D elements at src (stride `stride`) as bf16 pairs; odd D ends with a zero.
   void pack_pairs(const uint16_t* src, int64_t stride, uint32_t* dst) const {
+    if (stride == 1) {  // whole pairs as they lie (memcpy reads them unaligned)
+      std::memcpy(dst, src, sizeof(uint16_t) * (p_.D & ~int64_t{1}));
+      if (p_.D % 2) dst[p_.D / 2] = src[p_.D - 1];
+      return;
+    }
     for (int64_t d = 0; d < p_.D; d += 2) dst[d / 2] = pair(src[d * stride], d + 1 < p_.D ? src[(d + 1) * stride] : 0);
   }
 
@@ -451,7 +455,7 @@ class AttentionTask {
   }
 
 #else
-  void pack_qt_pairs(const RowBlock&, uint32_t*) const {}
+  void pack_qt_pairs(const RowBlock&, uint32_t*, const Workspace&) const {}
   void qk_bf16(const E*, int64_t, const Workspace&) const {}
   void pack_q_row_pairs(const RowBlock&, const Workspace&) const {}
   void qk_rows_bf16(const RowBlock&, const E*, int64_t, float*, int64_t, const Workspace&) const {}
