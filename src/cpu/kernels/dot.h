@@ -43,7 +43,11 @@ inline void group_rows(int g, int64_t rows, int64_t cols, const E* q, int64_t ld
   const int64_t seg = kLanes / g, blocks = (rows + g - 1) / g;
   std::memset(qg, 0, sizeof(E) * blocks * chunks * kLanes);
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t e = 0; e < cols; ++e) qg[(r / g * chunks + e / seg) * kLanes + r % g * seg + e % seg] = q[r * ldq + e];
+    E* dst = qg + r / g * chunks * kLanes + r % g * seg;
+    for (int64_t e0 = 0; e0 < cols; e0 += seg, dst += kLanes) {
+      const int64_t n = cols - e0 < seg ? cols - e0 : seg;
+      for (int64_t i = 0; i < n; ++i) dst[i] = q[r * ldq + e0 + i];
+    }
   }
 }
 
