@@ -43,7 +43,7 @@
 #include "attnkit/dtype.h"
 #include "cpu/kernels/dot.h"
 #include "cpu/kernels/gemm.h"
-#include "cpu/kernels/gemm_bf16.h"
+#include "cpu/kernels/gemm_dot.h"
 #include "cpu/kernels/simd.h"
 #include "cpu/kernels/softmax.h"
 

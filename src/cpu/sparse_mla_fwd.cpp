@@ -12,7 +12,7 @@
 #include "cpu/kernels.h"
 #include "cpu/kernels/convert.h"
 #include "cpu/kernels/gemm.h"
-#include "cpu/kernels/gemm_bf16.h"
+#include "cpu/kernels/gemm_dot.h"
 #include "cpu/kernels/softmax.h"
 #include "cpu/kernels/workspace.h"
 #include "ops/sparse_mla_params.h"

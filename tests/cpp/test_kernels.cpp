@@ -17,8 +17,7 @@
 #include "cpu/kernels/convert.h"
 #include "cpu/kernels/dot.h"
 #include "cpu/kernels/gemm.h"
-#include "cpu/kernels/gemm_bf16.h"
-#include "cpu/kernels/gemm_int8.h"
+#include "cpu/kernels/gemm_dot.h"
 #include "cpu/kernels/simd.h"
 #include "cpu/kernels/softmax.h"
 

@@ -1,4 +1,4 @@
-// How every register-tiled micro-kernel (gemm.h, gemm_bf16.h, gemm_int8.h) covers an
+// How every register-tiled micro-kernel (gemm.h, gemm_dot.h) covers an
 // m × n output: MR-row × NV-vector tiles, with the smaller tiles compiled for the edges.
 #pragma once
 
