@@ -8,6 +8,7 @@
 // on avx512bf16, and int8 codes for sage_attention. Decode (few rows) runs attend_rows:
 // key blocks of one vector with row-major scores. Masks, dropout, splits and the epilogue
 // are shared. Scores never exceed one tile. Compiled once per ISA.
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -153,6 +154,36 @@ struct Scores {
   float& at(int64_t r, int64_t j) const { return s[j * key_stride + r * row_stride]; }
 };
 
+// Decode's software prefetch pays only when memory is slow to answer. On this VM the memory
+// state differs from process to process: at one thread Dc took 1.6 ms with the hardware
+// prefetchers alone in some processes and 4-5.5 ms in others, 2.3-4 ms with the prefetches
+// in both. So each task times both on alternate runs of blocks after a warm-up and keeps
+// the faster: 1.7 ms and 3.9 ms in those states. Timing only; results never depend on it.
+class PrefetchChooser {
+ public:
+  // Whether the task's block number `block` (from 0) prefetches: yes through the warm-up,
+  // then alternate runs of kRun blocks (even runs yes), then the faster choice.
+  bool prefetch(int64_t block) {
+    if (block >= kDecide) return chosen_;
+    if (block < kWarmup) return true;
+    return (block - kWarmup) / kRun % 2 == 0;
+  }
+  // Called when block number `block` is done: times the alternate runs.
+  void done(int64_t block) {
+    if (block < kWarmup - 1 || block >= kDecide) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (block >= kWarmup) spent_[(block - kWarmup) / kRun % 2] += now - last_;
+    last_ = now;
+    if (block == kDecide - 1) chosen_ = spent_[0] <= spent_[1];
+  }
+
+ private:
+  static constexpr int64_t kWarmup = 4, kRun = 4, kDecide = kWarmup + 8 * kRun;
+  std::chrono::steady_clock::time_point last_;
+  std::chrono::steady_clock::duration spent_[2] = {};  // in runs with, without prefetch
+  bool chosen_ = true;
+};
+
 template <DType T>
 class AttentionTask {
   using E = typename Elem<T>::type;
@@ -294,17 +325,17 @@ class AttentionTask {
 
     const E* kbase = static_cast<const E*>(p_.k) + rb.b * p_.k_stride[0] + rb.kvh * p_.k_stride[1];
     const E* vbase = static_cast<const E*>(p_.v) + rb.b * p_.v_stride[0] + rb.kvh * p_.v_stride[1];
+    PrefetchChooser chooser;
     for (int64_t j0 = begin; j0 < end; j0 += kDecodeKeys) {
+      const int64_t block = (j0 - begin) / kDecodeKeys;
+      const bool prefetch = chooser.prefetch(block);
       const int64_t bc = end - j0 < kDecodeKeys ? end - j0 : kDecodeKeys;
       const int64_t width = round_up(bc, kLanes);
       const E* ksrc = kbase + j0 * p_.k_stride[2];
       // This block's V rows into L2 before its Q·Kᵀ, the next block's K rows before its P·V:
-      // each about half a block ahead of use. K and V are read in address order, so the
-      // hardware prefetchers stream them too, and alone they measured fastest when memory
-      // was idle but up to 2x slower when it was contended (two threads, a busy host);
-      // this order measured best of those tried across both (the next block's K and V,
-      // two blocks ahead, only part of each row, prefetches spread key by key).
-      prefetch_rows(vbase, j0, p_.v_stride[2], p_.Dv);
+      // each about half a block ahead of use (of the orders tried, the best across memory
+      // states: the next block's K and V, two blocks ahead, part of each row, key by key).
+      if (prefetch) prefetch_rows(vbase, j0, p_.v_stride[2], p_.Dv);
       for (int64_t c = 0; c < bc; c += kLanes) {
         qk_key_block(rb, ksrc + c * p_.k_stride[2], bc - c < kLanes ? bc - c : kLanes, w.st + c, ld, w);
       }
@@ -315,8 +346,9 @@ class AttentionTask {
       online_softmax_rows(w.st, width, ld, rb.rows, w.m, w.l, w.alpha);
       rescale_output(rb, w);
       if (p_.dropout_p > 0.0f) apply_dropout(rb, j0, bc, scores);
-      prefetch_rows(ksrc, kDecodeKeys, p_.k_stride[2], p_.D);
+      if (prefetch) prefetch_rows(ksrc, kDecodeKeys, p_.k_stride[2], p_.D);
       accumulate_pv(rb, vbase, j0, bc, scores, w);
+      chooser.done(block);
     }
   }
 

@@ -53,6 +53,14 @@ def test_decode_split_keys(rng, isa, dtype, Skv):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_long_tasks(rng, isa, dtype):
+    """Decode tasks long enough for the prefetch choice to be made (after 36 key blocks):
+    16 kv heads give 16 row blocks, so the 1024 keys are not split."""
+    q, k, v = make_qkv(rng, 1, 16, 16, 1, 1024, 64, 64, dtype)
+    run_checked(q, k, v, dtype=dtype, enable_gqa=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_split_matches_unsplit(rng, dtype):
     """The same query row computed with the keys split (B = 1: one row block) and unsplit
     (B = 16: enough row blocks, no split) agrees within the float32 rounding of the merge."""
