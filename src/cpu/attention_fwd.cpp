@@ -65,6 +65,7 @@ struct Plan {
   bool key_blocks;              // few rows (decode): attend_rows, scores row-major
   int rows_per_vec;             // decode: query rows side by side in one vector (dot.h)
   int64_t chunks;               // decode: a Q/K row in chunks of kLanes / rows_per_vec elements (bf16: pairs)
+  int64_t chunked_row;          // decode: chunks × that, the length of a packed K row
   bool bf16_dot;                // bf16 inputs on avx512bf16: K·Qᵀ with vdpbf16ps
   bool int8;                    // sage int8 mode: K·Qᵀ on int8 codes
   bool pv_bf16;                 // sage int8 mode on avx512bf16: P·V on bf16 pairs
@@ -104,6 +105,7 @@ struct Plan {
     rows_per_vec = rows_per_vector(rows, elems);
     const int64_t segment = kLanes / rows_per_vec;
     chunks = (elems + segment - 1) / segment;
+    chunked_row = chunks * segment;
     // K rows read where they are: fp32 rows of unit stride; for vdpbf16ps, bf16 rows that
     // are whole pairs (the key block reads whole chunks, so D must fill them there).
     if (bf16_dot) {
@@ -212,6 +214,12 @@ class AttentionTask {
     return rb;
   }
 
+  // Row r of the block's queries: head h0 + r / nq at position i0 + r % nq.
+  const E* q_row(const RowBlock& rb, int64_t r) const {
+    return static_cast<const E*>(p_.q) + rb.b * p_.q_stride[0] + (rb.h0 + r / rb.nq) * p_.q_stride[1] +
+           (rb.i0 + r % rb.nq) * p_.q_stride[2];
+  }
+
   // Task = (row block, kv split). Without splits it writes the output directly; with
   // splits it leaves its unnormalised state in `partial` for merge().
   void run(int64_t task, float* workspace, float* partial) const {
@@ -310,8 +318,8 @@ class AttentionTask {
   }
 
   // Decode: few rows, so scores are row-major (keys along the lanes, no padded rows), in
-  // blocks of kDecodeKeys keys computed kLanes keys at a time. Reading a small block of K,
-  // then of V, with the next block of both prefetched, keeps two streams going.
+  // blocks of kDecodeKeys keys computed kLanes keys at a time. K and V are read in address
+  // order (dot_key_block, whole-row P·V tiles), with software prefetch where it pays.
   void attend_rows(const RowBlock& rb, int64_t begin, int64_t end, const Workspace& w) const {
     const int64_t ld = kDecodeKeys;
     const Scores scores{w.st, 1, ld};
@@ -369,7 +377,7 @@ class AttentionTask {
       dot_key_block(plan_.rows_per_vec, rb.rows, plan_.chunks, reinterpret_cast<const float*>(ksrc), p_.k_stride[2],
                     w.qt, s, lds);
     } else {  // whole chunks of kLanes zero-padded rows
-      const int64_t ld = plan_.chunks * (kLanes / plan_.rows_per_vec);
+      const int64_t ld = plan_.chunked_row;
       pack_rows(ksrc, p_.k_stride[2], p_.k_stride[3], n, p_.D, ld, w.k);
       std::memset(w.k + n * ld, 0, sizeof(float) * (kLanes - n) * ld);
       dot_key_block(plan_.rows_per_vec, rb.rows, plan_.chunks, w.k, ld, w.qt, s, lds);
@@ -383,7 +391,8 @@ class AttentionTask {
     }
   }
 
-  // O += P · V for keys j0 .. j0+bc-1, V read in place (fp32, unit stride) or packed.
+  // O += P · V for keys j0 .. j0+bc-1, V read in place (bf16 in split order, fp32 of unit
+  // stride) or packed.
   void accumulate_pv(const RowBlock& rb, const E* vbase, int64_t j0, int64_t bc, const Scores& p,
                      const Workspace& w) const {
     // Decode takes whole-row tiles (V read in address order), the tile loop tall ones.
@@ -412,12 +421,11 @@ class AttentionTask {
   // Qᵀ as bf16 pairs along D: qtp[p][r] = (q[r][2p], q[r][2p+1]), unscaled (the scale is
   // applied to the fp32 scores); odd D ends with a zero.
   void pack_qt_pairs(const RowBlock& rb, uint32_t* qtp, const Workspace& w) const {
-    const uint16_t* base = static_cast<const uint16_t*>(p_.q) + rb.b * p_.q_stride[0];
     const int64_t ld = plan_.rows_pad, pairs = (p_.D + 1) / 2;
     uint32_t* row = reinterpret_cast<uint32_t*>(w.k);  // free until the first key tile
     std::memset(qtp, 0, sizeof(uint32_t) * pairs * ld);
     for (int64_t r = 0; r < rb.rows; ++r) {
-      pack_pairs(base + (rb.h0 + r / rb.nq) * p_.q_stride[1] + (rb.i0 + r % rb.nq) * p_.q_stride[2], p_.q_stride[3], row);
+      pack_pairs(reinterpret_cast<const uint16_t*>(q_row(rb, r)), p_.q_stride[3], row);  // E is bf16 here
       for (int64_t i = 0; i < pairs; ++i) qtp[i * ld + r] = row[i];
     }
   }
@@ -436,12 +444,10 @@ class AttentionTask {
 
   // Decode: Q rows as bf16 pairs, unscaled, grouped for dot_key_block_bf16 into w.qt (via w.k).
   void pack_q_row_pairs(const RowBlock& rb, const Workspace& w) const {
-    const uint16_t* base = static_cast<const uint16_t*>(p_.q) + rb.b * p_.q_stride[0];
     const int64_t pairs = (p_.D + 1) / 2;
     uint32_t* rows = reinterpret_cast<uint32_t*>(w.k);  // free until the first key block
     for (int64_t r = 0; r < rb.rows; ++r) {
-      const uint16_t* src = base + (rb.h0 + r / rb.nq) * p_.q_stride[1] + (rb.i0 + r % rb.nq) * p_.q_stride[2];
-      pack_pairs(src, p_.q_stride[3], rows + r * pairs);
+      pack_pairs(reinterpret_cast<const uint16_t*>(q_row(rb, r)), p_.q_stride[3], rows + r * pairs);  // E is bf16 here
     }
     group_rows(plan_.rows_per_vec, rb.rows, pairs, rows, pairs, plan_.chunks, reinterpret_cast<uint32_t*>(w.qt));
   }
@@ -452,7 +458,7 @@ class AttentionTask {
     const uint32_t* keys = reinterpret_cast<const uint32_t*>(ksrc);
     int64_t ldk = p_.k_stride[2] / 2;
     if (!(plan_.k_in_place && n == kLanes)) {  // whole chunks of kLanes zero-padded rows
-      const int64_t ld = plan_.chunks * (kLanes / plan_.rows_per_vec);
+      const int64_t ld = plan_.chunked_row;
       uint32_t* kp = pack_key_pairs(ksrc, n, ld, w);
       std::memset(kp + n * ld, 0, sizeof(uint32_t) * (kLanes - n) * ld);
       keys = kp, ldk = ld;
@@ -497,13 +503,11 @@ class AttentionTask {
   // q_sum[r] = Σ codes corrects the +128 offset of the unsigned K codes.
   void pack_q_int8(const RowBlock& rb, const Workspace& w) const {
     const int64_t ld = plan_.rows_pad;
-    const E* base = static_cast<const E*>(p_.q) + rb.b * p_.q_stride[0];
     std::memset(w.qt, 0, sizeof(float) * plan_.d_pad * ld);
     for (int64_t r = 0; r < ld; ++r) w.q_scale[r] = 0.0f, w.q_sum[r] = 0;
     for (int64_t r = 0; r < rb.rows; ++r) {
-      const E* src = base + (rb.h0 + r / rb.nq) * p_.q_stride[1] + (rb.i0 + r % rb.nq) * p_.q_stride[2];
       float* row = w.k;  // free until the first key tile
-      load_row<T>(src, p_.q_stride[3], p_.D, 1.0f, row);
+      load_row<T>(q_row(rb, r), p_.q_stride[3], p_.D, 1.0f, row);
       for (int64_t d = p_.D; d < plan_.d_pad; ++d) row[d] = 0.0f;
       vfloat amax_lanes{};
       for (int64_t d = 0; d < plan_.d_pad; d += kLanes) {
@@ -611,22 +615,16 @@ class AttentionTask {
 
   // Decode: Q rows pre-multiplied by the softmax scale, grouped for dot_key_block into w.qt (via w.k).
   void pack_q_rows(const RowBlock& rb, const Workspace& w) const {
-    const E* base = static_cast<const E*>(p_.q) + rb.b * p_.q_stride[0];
-    for (int64_t r = 0; r < rb.rows; ++r) {
-      const E* src = base + (rb.h0 + r / rb.nq) * p_.q_stride[1] + (rb.i0 + r % rb.nq) * p_.q_stride[2];
-      load_row<T>(src, p_.q_stride[3], p_.D, p_.scale, w.k + r * p_.D);
-    }
+    for (int64_t r = 0; r < rb.rows; ++r) load_row<T>(q_row(rb, r), p_.q_stride[3], p_.D, p_.scale, w.k + r * p_.D);
     group_rows(plan_.rows_per_vec, rb.rows, p_.D, w.k, p_.D, plan_.chunks, w.qt);
   }
 
-private:
   // Qᵀ [D][rows_pad], pre-multiplied by the softmax scale; padding rows are zero.
   void pack_qt(const RowBlock& rb, float* qt) const {
-    const E* base = static_cast<const E*>(p_.q) + rb.b * p_.q_stride[0];
     const int64_t ld = plan_.rows_pad;
     std::memset(qt, 0, sizeof(float) * p_.D * ld);
     for (int64_t r = 0; r < rb.rows; ++r) {
-      const E* src = base + (rb.h0 + r / rb.nq) * p_.q_stride[1] + (rb.i0 + r % rb.nq) * p_.q_stride[2];
+      const E* src = q_row(rb, r);
       for (int64_t d = 0; d < p_.D; ++d) qt[d * ld + r] = Elem<T>::load(src[d * p_.q_stride[3]]) * p_.scale;
     }
   }

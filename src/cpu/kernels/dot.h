@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu/kernels/gemm_dot.h"
 #include "cpu/kernels/simd.h"
 
 namespace attnkit::cpu::ATTNKIT_ISA {
@@ -127,10 +128,11 @@ inline void dot_key_block(int g, int64_t rows, int64_t chunks, const float* keys
 }
 
 #if defined(ATTNKIT_ISA_avx512bf16)
-// bf16 pairs (element 2p low, 2p + 1 high): products exact, summed in fp32.
+// bf16 pairs (element 2p low, 2p + 1 high): products exact, summed in fp32; gemm_dot.h's
+// instruction on this kernel's vector types.
 struct Bf16PairDot {
   static vfloat madd(vfloat acc, vfloat q, vfloat k) {
-    return (vfloat)_mm512_dpbf16_ps((__m512)acc, (__m512bh)q, (__m512bh)k);
+    return (vfloat)Bf16PairsDot::madd((__m512)acc, (__m512i)q, (__m512i)k);
   }
 };
 
