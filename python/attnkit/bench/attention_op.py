@@ -13,15 +13,8 @@ from typing import Optional
 
 import numpy as np
 
-from .registry import (BenchOp, Case, Check, Contender, Counts, attnkit_contenders, optional_torch,
-                       register)
-
-try:
-    import ml_dtypes
-except ImportError:  # pragma: no cover
-    ml_dtypes = None
-
-
+from .registry import (BenchOp, Case, Check, Contender, Counts, attnkit_contenders, itemsize, numpy_dtype,
+                       optional_torch, register, shape_int)
 
 DTYPE_ALIASES = {
     "float32": "float32", "fp32": "float32", "f32": "float32",
@@ -33,22 +26,6 @@ DTYPE_ALIASES = {
 # to Skv keys; bf16/fp16 outputs are rounded once (2^-9 / 2^-12 relative), inputs are exact.
 TOLERANCES = {"float32": (1e-4, 1e-4), "bfloat16": (1.6e-2, 1.6e-2), "float16": (3e-3, 3e-3)}
 PEER_TOL_FACTOR = 2.0  # a peer vs attnkit: both sides carry rounding error
-
-
-def numpy_dtype(name: str):
-    if name == "float32":
-        return np.dtype(np.float32)
-    if name == "float16":
-        return np.dtype(np.float16)
-    if name == "bfloat16":
-        if ml_dtypes is None:
-            raise RuntimeError("bfloat16 needs the ml_dtypes package")
-        return np.dtype(ml_dtypes.bfloat16)
-    raise ValueError(name)
-
-
-def itemsize(name: str) -> int:
-    return 4 if name == "float32" else 2
 
 
 def runs_bf16_dot(row) -> bool:
@@ -141,12 +118,7 @@ def parse_shape(text: str) -> AttnShape:
             continue
         if k.lower() not in keys:
             raise ValueError(f"unknown shape key {k!r} (keys: B, Hq, Hkv, H, S, Sq, Skv, D, Dv)")
-        try:
-            n = int(v)
-        except ValueError:
-            raise ValueError(f"shape key {k}: expected an integer, got {v!r}") from None
-        if n < 1:
-            raise ValueError(f"shape key {k}: must be >= 1, got {n}")
+        n = shape_int(k, v)
         k = keys[k.lower()]
         if k == "H":
             vals["Hq"] = vals["Hkv"] = n

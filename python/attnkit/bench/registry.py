@@ -10,6 +10,41 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+import numpy as np
+
+try:
+    import ml_dtypes
+except ImportError:  # pragma: no cover
+    ml_dtypes = None
+
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
+
+
+def numpy_dtype(name: str):
+    """The numpy dtype of a canonical dtype name (bfloat16 and fp8 through ml_dtypes)."""
+    if name in ("float32", "float16"):
+        return np.dtype(name)
+    if name not in ITEMSIZE:
+        raise ValueError(name)
+    if ml_dtypes is None:
+        raise RuntimeError(f"{name} needs the ml_dtypes package")
+    return np.dtype(getattr(ml_dtypes, name))
+
+
+def itemsize(name: str) -> int:
+    return ITEMSIZE[name]
+
+
+def shape_int(key: str, value: str) -> int:
+    """A shape spec's value: a positive integer, else a ValueError naming the key."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"shape key {key}: expected an integer, got {value!r}") from None
+    if n < 1:
+        raise ValueError(f"shape key {key}: must be >= 1, got {n}")
+    return n
+
 
 @dataclass
 class Case:

@@ -17,15 +17,8 @@ from typing import Optional
 
 import numpy as np
 
-from .registry import (BenchOp, Case, Check, Contender, Counts, attnkit_contenders, optional_torch,
-                       register)
-
-try:
-    import ml_dtypes
-except ImportError:  # pragma: no cover
-    ml_dtypes = None
-
-
+from .registry import (BenchOp, Case, Check, Contender, Counts, attnkit_contenders, itemsize, numpy_dtype,
+                       optional_torch, register, shape_int)
 
 FP8, BF16 = "float8_e4m3fn", "bfloat16"
 DTYPE_ALIASES = {
@@ -45,16 +38,6 @@ TORCH_CHUNK = 16           # query rows per batched matmul in the torch referenc
 OUT_TOL = (1.6e-2, 1.6e-2)
 STAT_TOL = (1e-4, 1e-4)
 PEER_TOL_FACTOR = 2.0      # a peer vs attnkit: both sides carry rounding error
-
-
-def numpy_dtype(name: str):
-    if ml_dtypes is None:
-        raise RuntimeError(f"{name} needs the ml_dtypes package")
-    return np.dtype(ml_dtypes.float8_e4m3fn if name == FP8 else ml_dtypes.bfloat16)
-
-
-def itemsize(name: str) -> int:
-    return 1 if name == FP8 else 2
 
 
 def n_invalid(topk: int) -> int:
@@ -117,13 +100,7 @@ def parse_shape(text: str) -> SparseShape:
         key = lookup.get(k.lower().replace("_", ""))
         if key is None:
             raise ValueError(f"unknown shape key {k!r} (keys: {', '.join(KEYS)})")
-        try:
-            n = int(v)
-        except ValueError:
-            raise ValueError(f"shape key {key}: expected an integer, got {v!r}") from None
-        if n < 1:
-            raise ValueError(f"shape key {key}: must be >= 1, got {n}")
-        vals[key] = n
+        vals[key] = shape_int(key, v)
     if vals["d_v"] > vals["d_qk"]:
         raise ValueError(f"shape {text!r}: d_v={vals['d_v']} must be <= d_qk={vals['d_qk']}")
     if vals["topk"] > vals["s_kv"]:
