@@ -7,10 +7,13 @@
 //   gemm_pv/fp32/<tall>             O += P · V    m=48 n=128 k=128, P read transposed from Sᵀ
 //                                   (lda=1, a_step=48), accumulating
 //   gemm_pv/split_bf16/<tall>       the same with V rows in bf16, read in place (split order)
+//   gemm_pv/bf16/<tall>             the same on bf16 pairs of keys (gemm_bf16, k_pairs=64): P
+//                                   and V already paired; avx512bf16
 //   online_softmax_tile             128 keys × 48 rows of transposed scores
 //   attention_tile/fp32             gemm_qk (fp32) + softmax + rescale + gemm_pv (fp32)
-//   attention_tile/bf16             gemm_qk (bf16) + scale + softmax + rescale +
-//                                   gemm_pv (split_bf16), the bf16-input path; avx512bf16
+//   attention_tile/bf16             gemm_qk (bf16) + scale + softmax + rescale + P and V
+//                                   paired (pair_rows_bf16, interleave_bf16_rows) + gemm_pv
+//                                   (bf16), the bf16-input path; avx512bf16
 // Decode: one block of kLanes keys for 4 query rows (scores row-major, keys along the lanes);
 // registered where the op takes that path for 4 rows (2·rows <= kLanes: not on generic).
 //   decode/dot_key_block/fp32       S = Q · Kᵀ    4 rows × kLanes keys × 128, K in place
@@ -41,6 +44,7 @@
 #include <type_traits>
 
 #include "attnkit/dtype.h"
+#include "cpu/kernels/convert.h"
 #include "cpu/kernels/dot.h"
 #include "cpu/kernels/gemm.h"
 #include "cpu/kernels/gemm_dot.h"
@@ -213,21 +217,43 @@ void bm_gemm_qk_bf16(benchmark::State& state, double peak_gflops) {
   });
 }
 
-// One kv tile of the bf16-input path on this ISA (qk_bf16, then as fp32 but with V in split
-// bf16): Sᵀ = K · Qᵀ on pairs, Sᵀ *= scale, softmax, rescale, O += P · V (split bf16).
+// O[48][128] += P · V on bf16 pairs of keys: Pᵀ as [64 pairs][48] (lda = 1, a_step = 48), V
+// as [64 pairs][128], values as in bm_gemm_pv.
+void bm_gemm_pv_bf16(benchmark::State& state, double peak_gflops) {
+  const Buffer<uint16_t> pt = random_bf16(kKeys * kRows, 31), v = random_bf16(kKeys * kDv, 32, 1e-3f);
+  Buffer<float> o = random_buffer(kRows * kDv, 33);
+  time_flops(state, 2.0 * kRows * kDv * kKeys, peak_gflops, [&] {
+    gemm_bf16<kTallRows, kTallVecs>(kRows, kDv, kKeys / 2, as_pairs(pt), 1, kRows, as_pairs(v), kDv, o.get(), kDv,
+                                    true);
+    benchmark::DoNotOptimize(o.get());
+    benchmark::ClobberMemory();
+  });
+}
+
+// One kv tile of the bf16-input path on this ISA (qk_bf16, pv_bf16): Sᵀ = K · Qᵀ on pairs,
+// Sᵀ *= scale, softmax, rescale, Pᵀ paired in place, this tile's V rows interleaved into
+// key pairs, O += P · V on pairs.
 void bm_attention_tile_bf16(benchmark::State& state, double peak_gflops) {
   const Buffer<uint16_t> k = random_bf16(kKeys * kD, 16), qt = random_bf16(kD * kRows, 17),
                          v = random_bf16(kKeys * kDv, 18);
   Buffer<float> o = random_buffer(kRows * kDv, 19), st = random_buffer(kKeys * kRows, 20);
+  const Buffer<float> v_pairs = random_buffer(kKeys / 2 * kDv, 21);  // as uint32_t pairs
+  uint32_t* vp = reinterpret_cast<uint32_t*>(v_pairs.get());
   SoftmaxState sm(kRows);
   const vfloat scale = vbroadcast(kScoreScale);
+  uint32_t* pp = reinterpret_cast<uint32_t*>(st.get());
   time_flops(state, 2.0 * kKeys * kRows * (kD + kDv), peak_gflops, [&] {
     gemm_bf16<kWideRows, kWideVecs>(kKeys, kRows, kPairs, as_pairs(k), kPairs, 1, as_pairs(qt), kRows, st.get(),
                                     kRows, false);
     for (int64_t i = 0; i < kKeys * kRows; i += kLanes) vstore(st.get() + i, vload(st.get() + i) * scale);
     online_softmax_tile(st.get(), kKeys, kRows, kRows, sm.m.get(), sm.l.get(), sm.alpha.get());
     rescale_rows(o.get(), sm.alpha.get(), kRows);
-    gemm<kTallRows, kTallVecs>(kRows, kDv, kKeys, st.get(), 1, kRows, v.get(), kDv, o.get(), kDv, true);
+    pair_rows_bf16(st.get(), kKeys, kRows, pp);
+    for (int64_t jp = 0; jp < kKeys / 2; ++jp) {
+      const uint16_t* a = v.get() + 2 * jp * kDv;
+      interleave_bf16_rows(a, a + kDv, 1, kDv, kDv, vp + jp * kDv);
+    }
+    gemm_bf16<kTallRows, kTallVecs>(kRows, kDv, kKeys / 2, pp, 1, kRows, vp, kDv, o.get(), kDv, true);
     benchmark::DoNotOptimize(o.get());
     benchmark::ClobberMemory();
   });
@@ -333,6 +359,9 @@ void register_benchmarks(double peak_gflops) {
 #endif
   add("gemm_pv/fp32/" + tall + "/m48_n128_k128", bm_gemm_pv<float>, peak_gflops);
   add("gemm_pv/split_bf16/" + tall_split + "/m48_n128_k128", bm_gemm_pv<uint16_t>, peak_gflops);
+#if defined(ATTNKIT_ISA_avx512bf16)
+  add("gemm_pv/bf16/" + tall + "/m48_n128_kpairs64", bm_gemm_pv_bf16, peak_gflops);
+#endif
   add("online_softmax_tile/keys128_rows48", bm_softmax_tile);
   add("attention_tile/fp32/keys128_rows48_d128", bm_attention_tile, peak_gflops);
 #if defined(ATTNKIT_ISA_avx512bf16)

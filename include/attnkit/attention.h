@@ -1,4 +1,7 @@
 // Exact dense attention with the semantics of torch.nn.functional.scaled_dot_product_attention.
+// Softmax and accumulation run in float32; for bfloat16, P may be rounded to bfloat16 before
+// P·V (on CPUs with AVX512-BF16, as FlashAttention and torch do), at most 2^-8 · Σp|v| / Σp
+// per output on top.
 #pragma once
 
 #include <cstdint>

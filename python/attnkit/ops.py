@@ -74,8 +74,10 @@ def attention(q, k, v, *, attn_mask=None, causal=False, scale=None, dropout_p=0.
       (Philox4x32-10) function of (seed, b, h, i, j), so one seed gives bit-identical output
       for any thread count and ISA; seed=None draws a fresh seed for each call.
     - dtypes: q, k, v all float32, float16 or bfloat16; out has that dtype; softmax and
-      accumulation run in float32. lse is float32 [B, Hq, Sq], natural log, over the visible
-      keys (dropout does not change it).
+      accumulation run in float32. For bfloat16, P may be rounded to bfloat16 before P @ V
+      (on CPUs with AVX512-BF16, as FlashAttention and torch do): each output then moves by
+      at most 2^-8 * sum_j p_j |v_j| / sum_j p_j beyond the float32 computation. lse is
+      float32 [B, Hq, Sq], natural log, over the visible keys (dropout does not change it).
     - Inputs are numpy arrays (bf16 through ml_dtypes) or CPU torch tensors, never copied
       or modified. out=, if given, must have the exact shape and dtype and not alias an input.
       torch tensors go through the registered op torch.ops.attnkit.attention, which

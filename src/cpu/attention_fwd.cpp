@@ -37,7 +37,6 @@ constexpr int64_t kDecodeKeys = kLanes;
 // Query rows per task (heads of a group × positions): a multiple of 16 (the Kᵀ·Q tile's
 // columns) and of 6 (the P·V tile's rows on AVX-512), measured best of 48, 64 and 96.
 constexpr int64_t kRowTarget = 48;
-constexpr uint32_t kBf16QuietNan = 0x7FC0;  // sage's bf16 P and V pairs: NaN stays NaN
 // Whether this variant has the bf16 and int8 dot-product instructions (vdpbf16ps, vpdpbusd).
 #if defined(ATTNKIT_ISA_avx512bf16)
 constexpr bool kDotProducts = true;
@@ -68,7 +67,7 @@ struct Plan {
   int64_t chunked_row;          // decode: chunks × that, the length of a packed K row
   bool bf16_dot;                // bf16 inputs on avx512bf16: K·Qᵀ with vdpbf16ps
   bool int8;                    // sage int8 mode: K·Qᵀ on int8 codes
-  bool pv_bf16;                 // sage int8 mode on avx512bf16: P·V on bf16 pairs
+  bool pv_bf16;                 // P·V on bf16 pairs: sage int8, and the bf16 tile loop, on avx512bf16
   bool k_in_place;              // K rows used where they are, without packing
   bool v_in_place;              // fp32 V rows with unit stride need no packing
   bool v_split_bf16;            // bf16 V rows read in place by the P·V tile; O in split order
@@ -100,7 +99,10 @@ struct Plan {
     dv_pad = round_up(p.Dv, kLanes);
     key_blocks = !int8 && rows <= kMaxDotRows && 2 * rows <= kLanes;
     bf16_dot = kDotProducts && !int8 && p.dtype == DType::bfloat16;
-    pv_bf16 = kDotProducts && int8;
+    // bf16 inputs round P to bf16 for P·V, as FlashAttention and torch do: the products
+    // and sums stay fp32, and vdpbf16ps runs it at nearly twice the fp32 FMA rate. Decode
+    // is bound by its reads, so it keeps P in fp32.
+    pv_bf16 = kDotProducts && (int8 || (bf16_dot && !key_blocks));
     const int64_t elems = bf16_dot ? (p.D + 1) / 2 : p.D;  // per Q/K row: fp32, or bf16 pairs
     rows_per_vec = rows_per_vector(rows, elems);
     const int64_t segment = kLanes / rows_per_vec;
@@ -310,7 +312,7 @@ class AttentionTask {
       rescale_output(rb, w);
       if (p_.dropout_p > 0.0f) apply_dropout(rb, j0, bc, scores);
       if (plan_.pv_bf16) {
-        pv_bf16(rb, j0, bc, w);
+        pv_bf16(rb, vbase, j0, bc, w);
       } else {
         accumulate_pv(rb, vbase, j0, bc, scores, w);
       }
@@ -585,32 +587,35 @@ class AttentionTask {
   }
 
 #if defined(ATTNKIT_ISA_avx512bf16)
-  // Sage int8: O += P · V with P rounded to bf16 and both packed as pairs along the keys
-  // (vdpbf16ps): Pᵀ is rewritten in place (pair row jp of keys 2jp, 2jp+1) and V rows are
-  // interleaved two by two.
-  void pv_bf16(const RowBlock& rb, int64_t j0, int64_t bc, const Workspace& w) const {
+  // O += P · V with P rounded to bf16 and both packed as pairs along the keys (vdpbf16ps):
+  // Pᵀ is rewritten in place (pair row jp of keys 2jp, 2jp+1). V pairs come from sage's
+  // prepared V, or are interleaved here from this tile's bf16 V rows.
+  void pv_bf16(const RowBlock& rb, const E* vbase, int64_t j0, int64_t bc, const Workspace& w) const {
     const int64_t ld = plan_.rows_pad, dv_pad = plan_.dv_pad, pairs = (bc + 1) / 2;
     uint32_t* pp = reinterpret_cast<uint32_t*>(w.st);
-    for (int64_t jp = 0; jp < pairs; ++jp) {
-      for (int64_t r = 0; r < ld; r += kLanes) {
-        const vfloat lo = vload(w.st + 2 * jp * ld + r);
-        const vfloat hi = 2 * jp + 1 < bc ? vload(w.st + (2 * jp + 1) * ld + r) : vfloat{};
-        const vuint packed = round_to_bf16_bits(lo, kBf16QuietNan) | (round_to_bf16_bits(hi, kBf16QuietNan) << 16);
-        std::memcpy(pp + jp * ld + r, &packed, sizeof packed);
+    pair_rows_bf16(w.st, bc, ld, pp);
+    uint32_t* vp = reinterpret_cast<uint32_t*>(w.v);
+    if (!kq_) {  // dense bf16: a lone last key pairs with a zero row (its P is zero too)
+      const uint16_t* v = reinterpret_cast<const uint16_t*>(vbase + j0 * p_.v_stride[2]);  // E is bf16 here
+      for (int64_t jp = 0; jp < pairs; ++jp) {
+        const uint16_t* a = v + 2 * jp * p_.v_stride[2];
+        interleave_bf16_rows(a, 2 * jp + 1 < bc ? a + p_.v_stride[2] : nullptr, p_.v_stride[3], p_.Dv, dv_pad,
+                             vp + jp * dv_pad);
       }
+      gemm_bf16<kTallRows, kTallVecs>(rb.rows, dv_pad, pairs, pp, 1, ld, vp, dv_pad, w.o, dv_pad, true);
+      return;
     }
     const int64_t head = rb.b * p_.Hkv + rb.kvh;
-    const uint32_t* vp = kq_->v_pairs + (head * ((p_.Skv + 1) / 2) + j0 / 2) * dv_pad;
+    const uint32_t* prepared = kq_->v_pairs + (head * ((p_.Skv + 1) / 2) + j0 / 2) * dv_pad;
     const int64_t full = bc / 2;  // pairs whose two keys are both in the tile
-    gemm_bf16<kTallRows, kTallVecs>(rb.rows, dv_pad, full, pp, 1, ld, vp, dv_pad, w.o, dv_pad, true);
+    gemm_bf16<kTallRows, kTallVecs>(rb.rows, dv_pad, full, pp, 1, ld, prepared, dv_pad, w.o, dv_pad, true);
     if (bc % 2) {  // the last key alone: the pair's other key lies past the tile (mask, split)
-      uint32_t* last = reinterpret_cast<uint32_t*>(w.v);
-      for (int64_t d = 0; d < dv_pad; ++d) last[d] = vp[full * dv_pad + d] & 0xFFFFu;
-      gemm_bf16<kTallRows, kTallVecs>(rb.rows, dv_pad, 1, pp + full * ld, 1, ld, last, dv_pad, w.o, dv_pad, true);
+      for (int64_t d = 0; d < dv_pad; ++d) vp[d] = prepared[full * dv_pad + d] & 0xFFFFu;
+      gemm_bf16<kTallRows, kTallVecs>(rb.rows, dv_pad, 1, pp + full * ld, 1, ld, vp, dv_pad, w.o, dv_pad, true);
     }
   }
 #else
-  void pv_bf16(const RowBlock&, int64_t, int64_t, const Workspace&) const {}
+  void pv_bf16(const RowBlock&, const E*, int64_t, int64_t, const Workspace&) const {}
 #endif
 
   // Decode: Q rows pre-multiplied by the softmax scale, grouped for dot_key_block into w.qt (via w.k).
@@ -778,18 +783,13 @@ void prepare_sage(const AttentionParams& p, uint8_t* codes, float* scale, float*
 #if defined(ATTNKIT_ISA_avx512bf16)
     const E* v = static_cast<const E*>(p.v) + b * p.v_stride[0] + kvh * p.v_stride[1];
     const int64_t pairs = (p.Skv + 1) / 2;
-    float* row0 = tile.data;
-    float* row1 = tile.data + dv_pad;
-    for (int64_t jp = 0; jp < pairs; ++jp) {
-      std::memset(row0, 0, sizeof(float) * 2 * dv_pad);
-      load_row<T>(v + 2 * jp * p.v_stride[2], p.v_stride[3], p.Dv, 1.0f, row0);
-      if (2 * jp + 1 < p.Skv) load_row<T>(v + (2 * jp + 1) * p.v_stride[2], p.v_stride[3], p.Dv, 1.0f, row1);
-      uint32_t* dst = v_pairs + (head * pairs + jp) * dv_pad;
-      for (int64_t d = 0; d < dv_pad; d += kLanes) {
-        const vuint packed =
-            round_to_bf16_bits(vload(row0 + d), kBf16QuietNan) | (round_to_bf16_bits(vload(row1 + d), kBf16QuietNan) << 16);
-        std::memcpy(dst + d, &packed, sizeof packed);
+    for (int64_t jp = 0; jp < pairs; ++jp) {  // rows 2jp and 2jp + 1 of V, zero-padded, as fp32 into tile
+      const int64_t n = 2 * jp + 1 < p.Skv ? 2 : 1;
+      std::memset(tile.data, 0, sizeof(float) * 2 * dv_pad);
+      for (int64_t j = 0; j < n; ++j) {
+        load_row<T>(v + (2 * jp + j) * p.v_stride[2], p.v_stride[3], p.Dv, 1.0f, tile.data + j * dv_pad);
       }
+      pair_rows_bf16(tile.data, n, dv_pad, v_pairs + (head * pairs + jp) * dv_pad);
     }
 #else
     (void)v_pairs;

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -581,6 +582,68 @@ ISA_TEST(Convert, VectorBf16StoreMatchesScalarRounding) {
     ASSERT_EQ(dst[i], float_to_bfloat16(src[i])) << std::hex << "float bits 0x" << bits_of(src[i]);
   }
   EXPECT_EQ(dst[src.size()], 0xDEAD);
+}
+
+// pair_rows_bf16: rows 2i and 2i + 1 rounded as vstore_bf16 rounds (NaN kept a NaN) into
+// row i, in place as the op calls it and into a separate buffer; an odd last row pairs with
+// zeros.
+ISA_TEST(Convert, PairRowsBf16RoundsAndPairs) {
+  SKIP_UNLESS_RUNNABLE();
+  std::mt19937 gen(12);
+  std::uniform_real_distribution<float> dist(-2.0f, 2.0f);
+  const int64_t ld = 2 * kLanes;
+  for (int64_t n : {1, 2, 5, 8}) {
+    std::vector<float> src(n * ld);
+    for (auto& x : src) x = dist(gen);
+    src[ld - 1] = std::numeric_limits<float>::quiet_NaN();
+    std::vector<float> in_place = src;
+    std::vector<uint32_t> dst((n + 1) / 2 * ld, 0xDEADBEEF);
+    pair_rows_bf16(src.data(), n, ld, dst.data());
+    pair_rows_bf16(in_place.data(), n, ld, reinterpret_cast<uint32_t*>(in_place.data()));
+    for (int64_t i = 0; i < (n + 1) / 2; ++i) {
+      for (int64_t c = 0; c < ld; ++c) {
+        const uint16_t lo = float_to_bfloat16(src[2 * i * ld + c]);
+        const uint16_t hi = 2 * i + 1 < n ? float_to_bfloat16(src[(2 * i + 1) * ld + c]) : 0;
+        const uint32_t got = dst[i * ld + c];
+        uint32_t got_in_place;
+        std::memcpy(&got_in_place, &in_place[i * ld + c], sizeof got_in_place);
+        ASSERT_EQ(got, got_in_place) << "n " << n << " row " << i << " col " << c;
+        if (lo == 0xFFFF) {  // NaN: any quiet NaN
+          ASSERT_EQ(got & 0x7FC0u, 0x7FC0u) << "n " << n << " col " << c;
+        } else {
+          ASSERT_EQ(got & 0xFFFFu, lo) << "n " << n << " row " << i << " col " << c;
+        }
+        ASSERT_EQ(got >> 16, hi) << "n " << n << " row " << i << " col " << c;
+      }
+    }
+  }
+}
+
+// interleave_bf16_rows: element i of each row into the low / high half of dst[i], for unit
+// and wider strides, a missing second row, lengths around the vector width; zero up to
+// n_pad and nothing written past it.
+ISA_TEST(Convert, InterleaveBf16RowsPairsElements) {
+  SKIP_UNLESS_RUNNABLE();
+  std::mt19937 gen(11);
+  for (int64_t stride : {1, 3}) {
+    for (int64_t n : {1, kLanes - 1, kLanes, kLanes + 1, 3 * kLanes + 5}) {
+      for (bool second : {true, false}) {
+        std::vector<uint16_t> a(n * stride), b(n * stride);
+        for (auto* row : {&a, &b}) {
+          for (auto& x : *row) x = static_cast<uint16_t>(gen());
+        }
+        const int64_t n_pad = n + 7;
+        std::vector<uint32_t> dst(n_pad + 1, 0xDEADBEEF);
+        interleave_bf16_rows(a.data(), second ? b.data() : nullptr, stride, n, n_pad, dst.data());
+        for (int64_t i = 0; i < n; ++i) {
+          const uint32_t hi = second ? b[i * stride] : 0u;
+          ASSERT_EQ(dst[i], a[i * stride] | hi << 16) << "stride " << stride << " n " << n << " i " << i;
+        }
+        for (int64_t i = n; i < n_pad; ++i) ASSERT_EQ(dst[i], 0u) << "padding " << i;
+        EXPECT_EQ(dst[n_pad], 0xDEADBEEFu);
+      }
+    }
+  }
 }
 
 #if defined(ATTNKIT_ISA_avx512bf16)

@@ -169,7 +169,7 @@ class SageOp(AttentionOp):
                     if outliers:
                         off = rng.standard_normal((1, s.Hkv, 1, s.D)) * OUTLIER_STD
                         x = AttnInputs(x.q, (x.k.astype(np.float64) + off).astype(x.k.dtype), x.v)
-                    ref = exact_reference(s, x, range(s.B), range(s.Hq), np.arange(s.Sq))
+                    ref, _ = exact_reference(s, x, range(s.B), range(s.Hq), np.arange(s.Sq))
                     try:
                         got = attnkit.sage_attention(x.q, x.k, x.v, causal=s.causal, mode=mode)
                     except Exception as e:  # noqa: BLE001

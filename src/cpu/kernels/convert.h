@@ -139,6 +139,38 @@ inline vuint round_to_bf16_bits(vfloat x, uint32_t nan_bits) {
   return x != x ? vuint{} + nan_bits : rounded;
 }
 
+inline constexpr uint32_t kBf16QuietNan = 0x7FC0;  // bf16 pairs of P and V: NaN stays NaN
+
+// Rows 2i and 2i + 1 of an n-row fp32 matrix (rows of ld floats, ld a multiple of kLanes)
+// rounded to bf16 and paired into row i of dst, rows of ld pairs; an odd last row pairs with
+// zeros. dst may be src: each vector is read before its place is written.
+inline void pair_rows_bf16(const float* src, int64_t n, int64_t ld, uint32_t* dst) {
+  for (int64_t i = 0; i < (n + 1) / 2; ++i) {
+    for (int64_t c = 0; c < ld; c += kLanes) {
+      const vfloat lo = vload(src + 2 * i * ld + c);
+      const vfloat hi = 2 * i + 1 < n ? vload(src + (2 * i + 1) * ld + c) : vfloat{};
+      const vuint pair = round_to_bf16_bits(lo, kBf16QuietNan) | (round_to_bf16_bits(hi, kBf16QuietNan) << 16);
+      std::memcpy(dst + i * ld + c, &pair, sizeof pair);
+    }
+  }
+}
+
+// Two bf16 rows as pairs: dst[i] = (a[i], b[i]) for i < n (b null: zeros), zero up to
+// n_pad; rows with element stride `stride`. The operand of vdpbf16ps along a key pair.
+inline void interleave_bf16_rows(const uint16_t* a, const uint16_t* b, int64_t stride, int64_t n, int64_t n_pad,
+                                 uint32_t* dst) {
+  int64_t i = 0;
+  if (stride == 1) {  // widened to fp32 bits (x << 16): a's move down, b's stay high
+    for (; i + kLanes <= n; i += kLanes) {
+      const vuint lo = (vuint)vload_as_float<DType::bfloat16>(a + i) >> 16;
+      const vuint pair = b ? lo | (vuint)vload_as_float<DType::bfloat16>(b + i) : lo;
+      std::memcpy(dst + i, &pair, sizeof pair);
+    }
+  }
+  for (; i < n; ++i) dst[i] = uint32_t{a[i * stride]} | (b ? uint32_t{b[i * stride]} << 16 : 0u);
+  for (; i < n_pad; ++i) dst[i] = 0;
+}
+
 // kLanes floats rounded to bf16 exactly as attnkit::float_to_bfloat16: every NaN to
 // 0xFFFF (torch's vectorised kernel).
 inline void vstore_bf16(uint16_t* dst, vfloat x) {
