@@ -60,24 +60,28 @@ struct Elem<DType::float8_e4m3fn> {
 typedef uint16_t vhalf __attribute__((vector_size(kLanes * sizeof(uint16_t))));
 typedef uint8_t vbyte __attribute__((vector_size(kLanes)));
 
+// kLanes consecutive 16-bit values zero-extended to 32 bits: one widening load. (GCC 12
+// splits __builtin_convertvector into five instructions, and warns inside the unmasked
+// _mm512_cvtepu16_epi32.)
+inline vuint vload_widened(const uint16_t* p) {
+#if defined(ATTNKIT_ISA_avx512)
+  return (vuint)_mm512_maskz_cvtepu16_epi32(0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(ATTNKIT_ISA_avx2)
+  return (vuint)_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  vhalf h;
+  std::memcpy(&h, p, sizeof h);
+  return __builtin_convertvector(h, vuint);
+#endif
+}
+
 // kLanes consecutive elements widened to float32.
 template <DType T>
 inline vfloat vload_as_float(const typename Elem<T>::type* p) {
   if constexpr (T == DType::float32) {
     return vload(p);
   } else if constexpr (T == DType::bfloat16) {
-    // One widening load and a shift. (GCC 12 splits __builtin_convertvector into five
-    // instructions, and warns inside the unmasked _mm512_cvtepu16_epi32.)
-#if defined(ATTNKIT_ISA_avx512)
-    const vint x = (vint)_mm512_maskz_cvtepu16_epi32(0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-#elif defined(ATTNKIT_ISA_avx2)
-    const vint x = (vint)_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#else
-    vhalf h;
-    std::memcpy(&h, p, sizeof h);
-    const vint x = __builtin_convertvector(h, vint);
-#endif
-    return (vfloat)(x << 16);
+    return (vfloat)(vload_widened(p) << 16);  // bf16 is the high half of its float32
   } else if constexpr (T == DType::float8_e4m3fn) {
     // Exponent and mantissa moved into float32's fields, then rebiased (7 -> 127) by an
     // exact multiply by 2^120; e4m3fn subnormals land on float32 subnormals, so this is
@@ -160,10 +164,10 @@ inline void pair_rows_bf16(const float* src, int64_t n, int64_t ld, uint32_t* ds
 inline void interleave_bf16_rows(const uint16_t* a, const uint16_t* b, int64_t stride, int64_t n, int64_t n_pad,
                                  uint32_t* dst) {
   int64_t i = 0;
-  if (stride == 1) {  // widened to fp32 bits (x << 16): a's move down, b's stay high
+  if (stride == 1) {
     for (; i + kLanes <= n; i += kLanes) {
-      const vuint lo = (vuint)vload_as_float<DType::bfloat16>(a + i) >> 16;
-      const vuint pair = b ? lo | (vuint)vload_as_float<DType::bfloat16>(b + i) : lo;
+      const vuint lo = vload_widened(a + i);
+      const vuint pair = b ? lo | vload_widened(b + i) << 16 : lo;
       std::memcpy(dst + i, &pair, sizeof pair);
     }
   }
