@@ -5,7 +5,8 @@
 // O += P · V. K and V are read in place where their rows allow it (fp32 of unit stride,
 // bf16 pairs, bf16 V in split order), else converted once per tile, and used by every row
 // of the task. Sᵀ has three sources: the fp32 gemm, bf16 pairs (vdpbf16ps) for bf16 inputs
-// on avx512bf16, and int8 codes for sage_attention. Decode (few rows) runs attend_rows:
+// on avx512bf16, and int8 codes for sage_attention. P·V is the fp32 gemm, or on avx512bf16
+// (bf16 inputs, sage) bf16 pairs with P rounded to bf16. Decode (few rows) runs attend_rows:
 // key blocks of one vector with row-major scores. Masks, dropout, splits and the epilogue
 // are shared. Scores never exceed one tile. Compiled once per ISA.
 #include <chrono>

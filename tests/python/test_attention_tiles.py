@@ -9,6 +9,7 @@ import pytest
 
 import attnkit
 from conftest import DTYPES, assert_bits_equal, make_qkv, strided_like
+from reference import assert_close, pv_magnitude, tolerance
 from test_attention import run_checked
 
 KV_TILE = 128  # keys per tile (src/cpu/attention_fwd.cpp)
@@ -21,6 +22,23 @@ ROW_TASK = 48  # query rows per task
 def test_tile_edges(rng, isa, Sq, Skv, causal):
     q, k, v = make_qkv(rng, 1, 2, 1, Sq, Skv, 32, 16)
     run_checked(q, k, v, dtype="float32", causal=causal, enable_gqa=True)
+
+
+@pytest.mark.parametrize("Skv", [KV_TILE - 1, KV_TILE + 1, 2 * KV_TILE + 1])
+@pytest.mark.parametrize("Dv", [7, 48, 130])
+def test_prefill_pv_on_bf16_pairs(rng, isa, Skv, Dv):
+    """bf16 P·V (on avx512bf16: key pairs, P rounded to bf16, each V tile interleaved):
+    tiles of odd length (a lone last key), Dv off the vector width, V contiguous or strided
+    in the head dim; with dropout (P paired after it) against the same call in float32, which
+    keeps the same keys: kept probabilities are scaled by 1 / (1 - p), so is the bound."""
+    q, k, v = make_qkv(rng, 1, 4, 2, 49, Skv, 32, Dv, "bfloat16")
+    run_checked(q, k, v, dtype="bfloat16", enable_gqa=True, causal="bottom_right")
+    run_checked(q, k, strided_like(v, rng)[0], dtype="bfloat16", enable_gqa=True)
+    p = 0.3
+    got = attnkit.attention(q, k, v, dropout_p=p, seed=9, enable_gqa=True)
+    want = attnkit.attention(*(x.astype(np.float32) for x in (q, k, v)), dropout_p=p, seed=9, enable_gqa=True)
+    magnitude = pv_magnitude(q, k, v, enable_gqa=True) / (1 - p)
+    assert_close(got, want.astype(np.float64), *tolerance("bfloat16", magnitude=magnitude), "dropout")
 
 
 @pytest.mark.parametrize("Hq,Hkv", [(64, 1), (96, 2), (20, 4), (48, 1), (49, 7)])
