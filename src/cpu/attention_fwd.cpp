@@ -38,6 +38,7 @@ constexpr int64_t kDecodeKeys = kLanes;
 // Query rows per task (heads of a group × positions): a multiple of 16 (the Kᵀ·Q tile's
 // columns) and of 6 (the P·V tile's rows on AVX-512), measured best of 48, 64 and 96.
 constexpr int64_t kRowTarget = 48;
+static_assert(kRowTarget <= kKvTile, "the Q packers stage a task's rows in the K tile's space");
 // Whether this variant has the bf16 and int8 dot-product instructions (vdpbf16ps, vpdpbusd).
 #if defined(ATTNKIT_ISA_avx512bf16)
 constexpr bool kDotProducts = true;
@@ -287,7 +288,7 @@ class AttentionTask {
     } else if (plan_.bf16_dot) {
       pack_qt_pairs(rb, reinterpret_cast<uint32_t*>(w.qt), w);
     } else {
-      pack_qt(rb, w.qt);
+      pack_qt(rb, w);
     }
     std::memset(w.o, 0, sizeof(float) * rb.rows * plan_.dv_pad);
     for (int64_t r = 0; r < ld; ++r) w.m[r] = -INFINITY, w.l[r] = 0.0f;
@@ -422,15 +423,16 @@ class AttentionTask {
   static uint32_t pair(uint16_t lo, uint16_t hi) { return uint32_t{lo} | uint32_t{hi} << 16; }
 
   // Qᵀ as bf16 pairs along D: qtp[p][r] = (q[r][2p], q[r][2p+1]), unscaled (the scale is
-  // applied to the fp32 scores); odd D ends with a zero.
+  // applied to the fp32 scores); odd D ends with a zero, padding rows are zero. Rows are
+  // paired into w.k (free until the first key tile), then transposed.
   void pack_qt_pairs(const RowBlock& rb, uint32_t* qtp, const Workspace& w) const {
-    const int64_t ld = plan_.rows_pad, pairs = (p_.D + 1) / 2;
-    uint32_t* row = reinterpret_cast<uint32_t*>(w.k);  // free until the first key tile
-    std::memset(qtp, 0, sizeof(uint32_t) * pairs * ld);
+    const int64_t pairs = (p_.D + 1) / 2, lds = round_up(pairs, kLanes);
+    uint32_t* rows = reinterpret_cast<uint32_t*>(w.k);
+    std::memset(rows, 0, sizeof(uint32_t) * plan_.rows_pad * lds);
     for (int64_t r = 0; r < rb.rows; ++r) {
-      pack_pairs(reinterpret_cast<const uint16_t*>(q_row(rb, r)), p_.q_stride[3], row);  // E is bf16 here
-      for (int64_t i = 0; i < pairs; ++i) qtp[i * ld + r] = row[i];
+      pack_pairs(reinterpret_cast<const uint16_t*>(q_row(rb, r)), p_.q_stride[3], rows + r * lds);  // E is bf16 here
     }
+    transpose_matrix(w.k, lds, plan_.rows_pad, lds, reinterpret_cast<float*>(qtp), plan_.rows_pad);
   }
 
   // Sᵀ = K · Qᵀ on bf16 pairs (K rows in place, or copied as pairs), then Sᵀ *= scale.
@@ -625,14 +627,13 @@ class AttentionTask {
     group_rows(plan_.rows_per_vec, rb.rows, p_.D, w.k, p_.D, plan_.chunks, w.qt);
   }
 
-  // Qᵀ [D][rows_pad], pre-multiplied by the softmax scale; padding rows are zero.
-  void pack_qt(const RowBlock& rb, float* qt) const {
-    const int64_t ld = plan_.rows_pad;
-    std::memset(qt, 0, sizeof(float) * p_.D * ld);
-    for (int64_t r = 0; r < rb.rows; ++r) {
-      const E* src = q_row(rb, r);
-      for (int64_t d = 0; d < p_.D; ++d) qt[d * ld + r] = Elem<T>::load(src[d * p_.q_stride[3]]) * p_.scale;
-    }
+  // Qᵀ [D][rows_pad], pre-multiplied by the softmax scale; padding rows are zero. Rows are
+  // converted into w.k (free until the first key tile), then transposed.
+  void pack_qt(const RowBlock& rb, const Workspace& w) const {
+    const int64_t lds = plan_.d_pad;
+    std::memset(w.k, 0, sizeof(float) * plan_.rows_pad * lds);
+    for (int64_t r = 0; r < rb.rows; ++r) load_row<T>(q_row(rb, r), p_.q_stride[3], p_.D, p_.scale, w.k + r * lds);
+    transpose_matrix(w.k, lds, plan_.rows_pad, lds, w.qt, plan_.rows_pad);
   }
 
   // n rows of `cols` elements converted to fp32 [n][ld], zero-padded to ld columns.

@@ -232,6 +232,23 @@ ISA_TEST(Simd, TransposeSegments) {
   if constexpr (kMaxRowsPerVector >= 4) check_transpose_segments<4>();
 }
 
+// transpose_matrix over several blocks each way, with row strides wider than the matrix:
+// every element lands at its transposed place, and nothing else in dst is written.
+ISA_TEST(Simd, TransposeMatrixMovesEveryElement) {
+  SKIP_UNLESS_RUNNABLE();
+  const int64_t rows = 3 * kLanes, cols = 2 * kLanes, lds = cols + kLanes, ld = rows + 5;
+  std::vector<float> src(rows * lds), dst(cols * ld + 1, -1.0f);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<float>(i);
+  transpose_matrix(src.data(), lds, rows, cols, dst.data(), ld);
+  for (int64_t c = 0; c < cols; ++c) {
+    for (int64_t r = 0; r < ld; ++r) {
+      const float want = r < rows ? src[r * lds + c] : -1.0f;
+      ASSERT_EQ(dst[c * ld + r], want) << "row " << r << " col " << c;
+    }
+  }
+  EXPECT_EQ(dst[cols * ld], -1.0f);
+}
+
 ISA_TEST(Simd, AnyGreaterComparesLanewise) {
   SKIP_UNLESS_RUNNABLE();
   std::mt19937 gen(17);

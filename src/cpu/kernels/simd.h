@@ -177,6 +177,33 @@ inline void transpose_segments(vfloat* v) {
   }
 }
 
+// dst[c * ld + r] = src[r * lds + c] for r < rows and c < cols (both multiples of kLanes):
+// kLanes × kLanes blocks, each transposed in registers by log2(kLanes) rounds that
+// interleave vector i with vector i + kLanes / 2 (a perfect shuffle). Moves bits only, so
+// any 32-bit elements (bf16 pairs too) go through as they are.
+inline void transpose_matrix(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst, int64_t ld) {
+  constexpr int kHalf = kLanes / 2;
+  for (int64_t r0 = 0; r0 < rows; r0 += kLanes) {
+    for (int64_t c0 = 0; c0 < cols; c0 += kLanes) {
+      vfloat v[kLanes], w[kLanes];
+#pragma GCC unroll 16
+      for (int i = 0; i < kLanes; ++i) v[i] = vload(src + (r0 + i) * lds + c0);
+#pragma GCC unroll 4
+      for (int round = 1; round < kLanes; round *= 2) {
+#pragma GCC unroll 16
+        for (int i = 0; i < kHalf; ++i) {
+          w[2 * i] = interleave_segments<1, 0>(v[i], v[i + kHalf]);
+          w[2 * i + 1] = interleave_segments<1, 1>(v[i], v[i + kHalf]);
+        }
+#pragma GCC unroll 16
+        for (int i = 0; i < kLanes; ++i) v[i] = w[i];
+      }
+#pragma GCC unroll 16
+      for (int i = 0; i < kLanes; ++i) vstore(dst + (c0 + i) * ld + r0, v[i]);
+    }
+  }
+}
+
 // Asks the caches for bytes [offset, offset + n) of the object at p, one prefetch per 64-byte
 // line, into L1 or only as far as L2. Prefetches never fault, so the range may lie past the
 // end of an array; the address is formed in integers for that reason.
