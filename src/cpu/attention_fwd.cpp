@@ -286,7 +286,7 @@ class AttentionTask {
     if (plan_.int8) {
       pack_q_int8(rb, w);
     } else if (plan_.bf16_dot) {
-      pack_qt_pairs(rb, reinterpret_cast<uint32_t*>(w.qt), w);
+      pack_qt_pairs(rb, w);
     } else {
       pack_qt(rb, w);
     }
@@ -422,17 +422,17 @@ class AttentionTask {
 #if defined(ATTNKIT_ISA_avx512bf16)
   static uint32_t pair(uint16_t lo, uint16_t hi) { return uint32_t{lo} | uint32_t{hi} << 16; }
 
-  // Qᵀ as bf16 pairs along D: qtp[p][r] = (q[r][2p], q[r][2p+1]), unscaled (the scale is
+  // Qᵀ as bf16 pairs along D into w.qt: [p][r] = (q[r][2p], q[r][2p+1]), unscaled (the scale is
   // applied to the fp32 scores); odd D ends with a zero, padding rows are zero. Rows are
   // paired into w.k (free until the first key tile), then transposed.
-  void pack_qt_pairs(const RowBlock& rb, uint32_t* qtp, const Workspace& w) const {
+  void pack_qt_pairs(const RowBlock& rb, const Workspace& w) const {
     const int64_t pairs = (p_.D + 1) / 2, lds = round_up(pairs, kLanes);
     uint32_t* rows = reinterpret_cast<uint32_t*>(w.k);
     std::memset(rows, 0, sizeof(uint32_t) * plan_.rows_pad * lds);
     for (int64_t r = 0; r < rb.rows; ++r) {
       pack_pairs(reinterpret_cast<const uint16_t*>(q_row(rb, r)), p_.q_stride[3], rows + r * lds);  // E is bf16 here
     }
-    transpose_matrix(w.k, lds, plan_.rows_pad, lds, reinterpret_cast<float*>(qtp), plan_.rows_pad);
+    transpose_matrix(w.k, lds, plan_.rows_pad, lds, w.qt, plan_.rows_pad);
   }
 
   // Sᵀ = K · Qᵀ on bf16 pairs (K rows in place, or copied as pairs), then Sᵀ *= scale.
@@ -497,7 +497,7 @@ class AttentionTask {
   }
 
 #else
-  void pack_qt_pairs(const RowBlock&, uint32_t*, const Workspace&) const {}
+  void pack_qt_pairs(const RowBlock&, const Workspace&) const {}
   void qk_bf16(const E*, int64_t, const Workspace&) const {}
   void pack_q_row_pairs(const RowBlock&, const Workspace&) const {}
   void qk_rows_bf16(const RowBlock&, const E*, int64_t, float*, int64_t, const Workspace&) const {}

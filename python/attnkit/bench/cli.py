@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-from .registry import Case, load_ops
+from .registry import Case, load_ops, positive_int
 
 INJECT_ENV = "ATTNKIT_BENCH_INJECT_ERROR"
 
@@ -29,11 +29,9 @@ def _parse_threads(values, default):
     out = []
     for v in _split(values):
         try:
-            n = int(v)
-        except ValueError:
-            raise SystemExit(f"--threads: expected integers, got {v!r}") from None
-        if n < 1:
-            raise SystemExit(f"--threads: must be >= 1, got {n}")
+            n = positive_int("--threads", v)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
         if n not in out:
             out.append(n)
     return out

@@ -35,15 +35,20 @@ def itemsize(name: str) -> int:
     return ITEMSIZE[name]
 
 
-def shape_int(key: str, value: str) -> int:
-    """A shape spec's value: a positive integer, else a ValueError naming the key."""
+def positive_int(what: str, value: str) -> int:
+    """value as a positive integer, else a ValueError naming `what`."""
     try:
         n = int(value)
     except ValueError:
-        raise ValueError(f"shape key {key}: expected an integer, got {value!r}") from None
+        raise ValueError(f"{what}: expected an integer, got {value!r}") from None
     if n < 1:
-        raise ValueError(f"shape key {key}: must be >= 1, got {n}")
+        raise ValueError(f"{what}: must be >= 1, got {n}")
     return n
+
+
+def shape_int(key: str, value: str) -> int:
+    """A shape spec's value: a positive integer, else a ValueError naming the key."""
+    return positive_int(f"shape key {key}", value)
 
 
 @dataclass
