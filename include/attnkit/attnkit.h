@@ -5,6 +5,7 @@
 #include "attnkit/dtype.h"
 #include "attnkit/error.h"
 #include "attnkit/runtime.h"
+#include "attnkit/serving.h"
 #include "attnkit/sage.h"
 #include "attnkit/sparse_mla.h"
 #include "attnkit/tensor.h"

@@ -21,6 +21,7 @@ _NUMPY_NAMES = {
     np.dtype(np.int8): "int8",
     np.dtype(np.uint8): "uint8",
     np.dtype(np.int32): "int32",
+    np.dtype(np.int64): "int64",
     np.dtype(np.bool_): "boolean",
 }
 if ml_dtypes is not None:
@@ -29,7 +30,7 @@ if ml_dtypes is not None:
         np.dtype(ml_dtypes.float8_e4m3fn): "float8_e4m3fn",
         np.dtype(ml_dtypes.float8_e5m2): "float8_e5m2",
     })
-_NUMPY_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+_NUMPY_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _NUMPY_FROM_NAME = {name: dtype for dtype, name in _NUMPY_NAMES.items()}
 
 
@@ -52,6 +53,7 @@ def _torch_tables():
         torch.int8: "int8",
         torch.uint8: "uint8",
         torch.int32: "int32",
+        torch.int64: "int64",
         torch.bool: "boolean",
     }
     as_bytes = {torch.float8_e4m3fn, torch.float8_e5m2, torch.bool}

@@ -142,6 +142,62 @@ void sage_attention(const InArray& q, const InArray& k, const InArray& v, const 
   attnkit::sage_attention(args);
 }
 
+void varlen_attention(const InArray& q, const InArray& k, const InArray& v, const InArray& cu_seqlens_q,
+                      const InArray& cu_seqlens_k, const OutArray& out, const std::optional<OutArray>& lse,
+                      std::optional<int64_t> max_seqlen_q, std::optional<int64_t> max_seqlen_k, bool causal,
+                      std::optional<double> scale) {
+  attnkit::VarlenAttentionArgs args;
+  args.q = to_view(q, "q");
+  args.k = to_view(k, "k");
+  args.v = to_view(v, "v");
+  args.cu_seqlens_q = to_view(cu_seqlens_q, "cu_seqlens_q");
+  args.cu_seqlens_k = to_view(cu_seqlens_k, "cu_seqlens_k");
+  args.out = to_view(out, "out");
+  args.lse = to_view(lse, "lse");
+  args.max_seqlen_q = max_seqlen_q;
+  args.max_seqlen_k = max_seqlen_k;
+  args.causal = causal;
+  args.scale = scale;
+  nb::gil_scoped_release release;
+  attnkit::varlen_attention(args);
+}
+
+void paged_attention(const InArray& q, const InArray& k_cache, const InArray& v_cache, const InArray& block_table,
+                     const InArray& seq_lens, const InArray& cu_seqlens_q, const OutArray& out,
+                     const std::optional<OutArray>& lse, const std::optional<InArray>& k_scale,
+                     const std::optional<InArray>& v_scale, bool causal, std::optional<double> scale) {
+  attnkit::PagedAttentionArgs args;
+  args.q = to_view(q, "q");
+  args.k_cache = to_view(k_cache, "k_cache");
+  args.v_cache = to_view(v_cache, "v_cache");
+  args.block_table = to_view(block_table, "block_table");
+  args.seq_lens = to_view(seq_lens, "seq_lens");
+  args.cu_seqlens_q = to_view(cu_seqlens_q, "cu_seqlens_q");
+  args.out = to_view(out, "out");
+  args.lse = to_view(lse, "lse");
+  args.k_scale = to_view(k_scale, "k_scale");
+  args.v_scale = to_view(v_scale, "v_scale");
+  args.causal = causal;
+  args.scale = scale;
+  nb::gil_scoped_release release;
+  attnkit::paged_attention(args);
+}
+
+void append_kv_cache(const InArray& k, const InArray& v, const OutArray& k_cache, const OutArray& v_cache,
+                     const InArray& slot_mapping, const std::optional<InArray>& k_scale,
+                     const std::optional<InArray>& v_scale) {
+  attnkit::AppendKvCacheArgs args;
+  args.k = to_view(k, "k");
+  args.v = to_view(v, "v");
+  args.k_cache = to_view(k_cache, "k_cache");
+  args.v_cache = to_view(v_cache, "v_cache");
+  args.slot_mapping = to_view(slot_mapping, "slot_mapping");
+  args.k_scale = to_view(k_scale, "k_scale");
+  args.v_scale = to_view(v_scale, "v_scale");
+  nb::gil_scoped_release release;
+  attnkit::append_kv_cache(args);
+}
+
 void cast(const InArray& src, const OutArray& dst) {
   attnkit::TensorView s = to_view(src, "src"), d = to_view(dst, "dst");
   if (!s.is_contiguous() || !d.is_contiguous() || s.numel() != d.numel()) {
@@ -173,6 +229,13 @@ NB_MODULE(_C, m) {
   m.def("sparse_mla_q8kv8_prefill_fwd", &sparse_mla<&attnkit::sparse_mla_q8kv8_prefill_fwd>, "q"_a, "kv"_a,
         "indices"_a, "sm_scale"_a, "d_v"_a, "q_scale"_a.none(), "kv_scale"_a.none(), "attn_sink"_a.none(),
         "topk_length"_a.none(), "out"_a, "max_logits"_a, "lse"_a);
+  m.def("varlen_attention", &varlen_attention, "q"_a, "k"_a, "v"_a, "cu_seqlens_q"_a, "cu_seqlens_k"_a, "out"_a,
+        "lse"_a.none(), "max_seqlen_q"_a.none(), "max_seqlen_k"_a.none(), "causal"_a, "scale"_a.none());
+  m.def("paged_attention", &paged_attention, "q"_a, "k_cache"_a, "v_cache"_a, "block_table"_a, "seq_lens"_a,
+        "cu_seqlens_q"_a, "out"_a, "lse"_a.none(), "k_scale"_a.none(), "v_scale"_a.none(), "causal"_a,
+        "scale"_a.none());
+  m.def("append_kv_cache", &append_kv_cache, "k"_a, "v"_a, "k_cache"_a, "v_cache"_a, "slot_mapping"_a,
+        "k_scale"_a.none(), "v_scale"_a.none());
   m.def("set_num_threads", &attnkit::set_num_threads, "n"_a);
   m.def("get_num_threads", &attnkit::get_num_threads);
   m.def("active_isa", &attnkit::active_isa);
