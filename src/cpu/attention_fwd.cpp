@@ -70,22 +70,29 @@ struct Sequence {
   int64_t first_row_block, first_task, first_slot;  // slots: partial states (kv_splits > 1)
 };
 
+// How one row block runs: the tile loop, or for few rows (decode) key blocks with row-major
+// scores (attend_rows); and which operands it reads in place.
+struct Mode {
+  bool key_blocks;
+  int rows_per_vec;             // key blocks: query rows side by side in one vector (dot.h)
+  int64_t chunks;               // key blocks: a Q/K row in chunks of kLanes / rows_per_vec elements (bf16: pairs)
+  int64_t chunked_row;          // key blocks: chunks × that, the length of a packed K row
+  bool pv_bf16;                 // P·V on bf16 pairs: sage int8, and the bf16 tile loop, on avx512bf16
+  bool k_in_place;              // K rows used where they are, without packing
+  bool v_split_bf16;            // bf16 V rows read in place by the P·V tile; O in split order
+};
+
 // How the work splits into tasks, and the per-thread workspace each task uses.
 struct Plan {
   int64_t heads_per_task, positions_per_task, head_chunks, row_blocks;
   int64_t tasks, slots;  // tasks: row blocks × their kv splits; slots: tasks of split row blocks
   std::vector<Sequence> seqs;  // heavy first
   int64_t rows_pad, d_pad, dv_pad, workspace_floats, partial_floats;
-  bool key_blocks;              // few rows (decode): attend_rows, scores row-major
-  int rows_per_vec;             // decode: query rows side by side in one vector (dot.h)
-  int64_t chunks;               // decode: a Q/K row in chunks of kLanes / rows_per_vec elements (bf16: pairs)
-  int64_t chunked_row;          // decode: chunks × that, the length of a packed K row
   bool bf16_dot;                // bf16 inputs on avx512bf16: K·Qᵀ with vdpbf16ps
   bool int8;                    // sage int8 mode: K·Qᵀ on int8 codes
-  bool pv_bf16;                 // P·V on bf16 pairs: sage int8, and the bf16 tile loop, on avx512bf16
-  bool k_in_place;              // K rows used where they are, without packing
   bool v_in_place;              // fp32 V rows with unit stride need no packing
-  bool v_split_bf16;            // bf16 V rows read in place by the P·V tile; O in split order
+  Mode tile;                    // row blocks of more rows
+  Mode few[kLanes / 2 + 1];     // few[r]: row blocks of r rows, where key blocks pay
 
   Plan(const AttentionParams& p, bool int8_mode) {
     int8 = int8_mode;
@@ -100,29 +107,11 @@ struct Plan {
     rows_pad = round_up(rows, kLanes);
     d_pad = round_up(p.D, kLanes);
     dv_pad = round_up(p.Dv, kLanes);
-    key_blocks = !int8 && rows <= kMaxDotRows && 2 * rows <= kLanes;
     // fp8 caches (paged) are widened to fp32 as they are packed: the fp32 paths below.
     bf16_dot = kDotProducts && !int8 && p.dtype == DType::bfloat16 && p.kv_dtype == DType::bfloat16;
-    // bf16 inputs round P to bf16 for P·V, as FlashAttention and torch do: the products
-    // and sums stay fp32, and vdpbf16ps runs it at nearly twice the fp32 FMA rate. Decode
-    // is bound by its reads, so it keeps P in fp32.
-    pv_bf16 = kDotProducts && (int8 || (bf16_dot && !key_blocks));
-    const int64_t elems = bf16_dot ? (p.D + 1) / 2 : p.D;  // per Q/K row: fp32, or bf16 pairs
-    rows_per_vec = rows_per_vector(rows, elems);
-    const int64_t segment = kLanes / rows_per_vec;
-    chunks = (elems + segment - 1) / segment;
-    chunked_row = chunks * segment;
-    // K rows read where they are: fp32 rows of unit stride; for vdpbf16ps, bf16 rows that
-    // are whole pairs (every row starts on a pair: even strides; the key block reads whole
-    // chunks, so D must fill them there).
-    if (bf16_dot) {
-      const bool pairs_aligned = p.k_stride[0] % 2 == 0 && p.k_stride[1] % 2 == 0 && p.k_stride[2] % 2 == 0;
-      k_in_place = p.k_stride[3] == 1 && pairs_aligned && p.D % 2 == 0 && (!key_blocks || elems % segment == 0);
-    } else {
-      k_in_place = p.kv_dtype == DType::float32 && p.k_stride[3] == 1 && (!key_blocks || elems % segment == 0);
-    }
     v_in_place = p.kv_dtype == DType::float32 && p.v_stride[3] == 1 && p.Dv == dv_pad;
-    v_split_bf16 = p.kv_dtype == DType::bfloat16 && p.v_stride[3] == 1 && p.Dv % (2 * kLanes) == 0 && !pv_bf16;
+    tile = make_mode(p, rows, false);
+    for (int64_t r = 1; r <= kLanes / 2; ++r) few[r] = make_mode(p, r, !int8 && r <= kMaxDotRows);
     workspace_floats = d_pad * rows_pad            // Qᵀ (or Q rows), scaled
                        + rows_pad * dv_pad         // output accumulators
                        + kKvTile * rows_pad        // Sᵀ, then Pᵀ
@@ -131,6 +120,10 @@ struct Plan {
                        + 5 * rows_pad;             // running max, sum, rescale; int8 q scale, sum
     partial_floats = rows_pad * (dv_pad + 2);  // o, m, l of one split
   }
+
+  // The mode of a row block of `rows` rows: key blocks where they pay (decode rows, and the
+  // last positions of a sequence), else the tile loop.
+  const Mode& mode(int64_t rows) const { return 2 * rows <= kLanes && few[rows].key_blocks ? few[rows] : tile; }
 
   // The sequence (and its row block) of a task or row block: the last one starting at or before it.
   const Sequence& sequence_of_task(int64_t task) const {
@@ -180,6 +173,32 @@ struct Plan {
     }
   }
   int64_t row_work(const Sequence& s) const { return s.skv * std::min(s.sq, positions_per_task); }
+
+  Mode make_mode(const AttentionParams& p, int64_t rows, bool key_blocks) const {
+    Mode m;
+    m.key_blocks = key_blocks;
+    // bf16 inputs round P to bf16 for P·V, as FlashAttention and torch do: the products
+    // and sums stay fp32, and vdpbf16ps runs it at nearly twice the fp32 FMA rate. Decode
+    // is bound by its reads, so it keeps P in fp32.
+    m.pv_bf16 = kDotProducts && (int8 || (bf16_dot && !key_blocks));
+    const int64_t elems = bf16_dot ? (p.D + 1) / 2 : p.D;  // per Q/K row: fp32, or bf16 pairs
+    m.rows_per_vec = rows_per_vector(rows, elems);
+    const int64_t segment = kLanes / m.rows_per_vec;
+    m.chunks = (elems + segment - 1) / segment;
+    m.chunked_row = m.chunks * segment;
+    // K rows read where they are: fp32 rows of unit stride; for vdpbf16ps, bf16 rows that
+    // are whole pairs (every row starts on a pair: even strides; the key block reads whole
+    // chunks, so D must fill them there).
+    const bool whole_chunks = !key_blocks || elems % segment == 0;
+    if (bf16_dot) {
+      const bool pairs_aligned = p.k_stride[0] % 2 == 0 && p.k_stride[1] % 2 == 0 && p.k_stride[2] % 2 == 0;
+      m.k_in_place = p.k_stride[3] == 1 && pairs_aligned && p.D % 2 == 0 && whole_chunks;
+    } else {
+      m.k_in_place = p.kv_dtype == DType::float32 && p.k_stride[3] == 1 && whole_chunks;
+    }
+    m.v_split_bf16 = p.kv_dtype == DType::bfloat16 && p.v_stride[3] == 1 && p.Dv % (2 * kLanes) == 0 && !m.pv_bf16;
+    return m;
+  }
 };
 
 struct Workspace {
@@ -207,6 +226,7 @@ struct RowBlock {
   int64_t b, kvh, h0, nh, i0, nq, rows;
   int64_t row0, skv, offset;
   float scale, v_scale;
+  const Mode* mode;  // how it runs (Plan::mode)
 };
 
 // Where the K (or V) rows of one (sequence, kv head) lie: row j at base + j * stride
@@ -307,6 +327,7 @@ class AttentionTask {
     const int64_t nh_left = (rb.kvh + 1) * p_.group - rb.h0;
     rb.nh = nh_left < plan_.heads_per_task ? nh_left : plan_.heads_per_task;
     rb.rows = rb.nh * rb.nq;
+    rb.mode = &plan_.mode(rb.rows);
     rb.scale = p_.scale * (p_.k_scale ? p_.k_scale[rb.kvh * p_.k_scale_stride] : 1.0f);
     rb.v_scale = p_.v_scale ? p_.v_scale[rb.kvh * p_.v_scale_stride] : 1.0f;
     return rb;
@@ -379,7 +400,7 @@ class AttentionTask {
  private:
   // Runs keys [begin, end) through the tile loop, leaving the rows' state in w.o, w.m, w.l.
   void attend(const RowBlock& rb, int64_t begin, int64_t end, const Workspace& w) const {
-    if (plan_.key_blocks) return attend_rows(rb, begin, end, w);
+    if (rb.mode->key_blocks) return attend_rows(rb, begin, end, w);
     const int64_t ld = plan_.rows_pad;
     const Scores scores{w.st, ld, 1};
     if (plan_.int8) {
@@ -399,7 +420,7 @@ class AttentionTask {
         qk_int8(rb, j0, bc, w);
       } else if (plan_.bf16_dot) {  // Sᵀ = K · Qᵀ on bf16 pairs, then the scale
         qk_bf16(rb, krows, j0, bc, w);
-      } else if (plan_.k_in_place) {  // Sᵀ = K · Qᵀ, a gemm per run of rows at one stride
+      } else if (rb.mode->k_in_place) {  // Sᵀ = K · Qᵀ, a gemm per run of rows at one stride
         krows.for_each_run(j0, bc, [&](const EK* k, int64_t first, int64_t n) {
           gemm<kWideRows, kWideVecs>(n, ld, p_.D, reinterpret_cast<const float*>(k), krows.stride, 1, w.qt, ld,
                                      w.st + first * ld, ld, false);
@@ -412,7 +433,7 @@ class AttentionTask {
       online_softmax_tile(w.st, bc, ld, ld, w.m, w.l, w.alpha);
       rescale_output(rb, w);
       if (p_.dropout_p > 0.0f) apply_dropout(rb, j0, bc, scores);
-      if (plan_.pv_bf16) {
+      if (rb.mode->pv_bf16) {
         pv_bf16(rb, vrows, j0, bc, w);
       } else {
         accumulate_pv(rb, vrows, j0, bc, scores, w);
@@ -487,17 +508,17 @@ class AttentionTask {
   // bf16 pairs.
   void qk_key_block(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t n, float* s, int64_t lds,
                     const Workspace& w) const {
-    const bool in_place = plan_.k_in_place && n == kLanes && krows.run_end(j0, j0 + n) == j0 + n;
+    const bool in_place = rb.mode->k_in_place && n == kLanes && krows.run_end(j0, j0 + n) == j0 + n;
     if (plan_.bf16_dot) {
       qk_rows_bf16(rb, krows, j0, n, in_place, s, lds, w);
     } else if (in_place) {
-      dot_key_block(plan_.rows_per_vec, rb.rows, plan_.chunks, reinterpret_cast<const float*>(krows.row(j0)),
+      dot_key_block(rb.mode->rows_per_vec, rb.rows, rb.mode->chunks, reinterpret_cast<const float*>(krows.row(j0)),
                     krows.stride, w.qt, s, lds);
     } else {  // whole chunks of kLanes zero-padded rows
-      const int64_t ld = plan_.chunked_row;
+      const int64_t ld = rb.mode->chunked_row;
       pack_rows(krows, j0, n, p_.k_stride[3], p_.D, ld, w.k);
       std::memset(w.k + n * ld, 0, sizeof(float) * (kLanes - n) * ld);
-      dot_key_block(plan_.rows_per_vec, rb.rows, plan_.chunks, w.k, ld, w.qt, s, lds);
+      dot_key_block(rb.mode->rows_per_vec, rb.rows, rb.mode->chunks, w.k, ld, w.qt, s, lds);
     }
   }
 
@@ -516,7 +537,7 @@ class AttentionTask {
     // address order), the tile loop tall ones.
     auto gemm_pv = [&](const auto* v, int64_t ldv, int64_t first, int64_t n) {
       const float* pf = p.s + first * p.key_stride;
-      if (plan_.key_blocks) {
+      if (rb.mode->key_blocks) {
         gemm<kRowRows, kRowVecs>(rb.rows, plan_.dv_pad, n, pf, p.row_stride, p.key_stride, v, ldv, w.o, plan_.dv_pad,
                                  true);
       } else {
@@ -524,7 +545,7 @@ class AttentionTask {
                                    plan_.dv_pad, true);
       }
     };
-    if (plan_.v_split_bf16 || plan_.v_in_place) {  // a gemm per run of rows at one stride
+    if (rb.mode->v_split_bf16 || plan_.v_in_place) {  // a gemm per run of rows at one stride
       vrows.for_each_run(j0, bc, [&](const EK* v, int64_t first, int64_t n) {
         if constexpr (TK == DType::bfloat16 || TK == DType::float32) gemm_pv(v, vrows.stride, first, n);
       });
@@ -555,7 +576,7 @@ class AttentionTask {
   void qk_bf16(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t bc, const Workspace& w) const {
     const int64_t pairs = (p_.D + 1) / 2, ld = plan_.rows_pad;
     const uint32_t* qt = reinterpret_cast<const uint32_t*>(w.qt);
-    if (plan_.k_in_place) {
+    if (rb.mode->k_in_place) {
       krows.for_each_run(j0, bc, [&](const EK* k, int64_t first, int64_t n) {
         gemm_bf16<kWideRows, kWideVecs>(n, ld, pairs, reinterpret_cast<const uint32_t*>(k), krows.stride / 2, 1, qt,
                                         ld, w.st + first * ld, ld, false);
@@ -575,7 +596,7 @@ class AttentionTask {
     for (int64_t r = 0; r < rb.rows; ++r) {
       pack_pairs(reinterpret_cast<const uint16_t*>(q_row(rb, r)), p_.q_stride[3], rows + r * pairs);  // E is bf16 here
     }
-    group_rows(plan_.rows_per_vec, rb.rows, pairs, rows, pairs, plan_.chunks, reinterpret_cast<uint32_t*>(w.qt));
+    group_rows(rb.mode->rows_per_vec, rb.rows, pairs, rows, pairs, rb.mode->chunks, reinterpret_cast<uint32_t*>(w.qt));
   }
 
   // Decode: s[r * lds + j] = K[j0 + j] · Q[r] on bf16 pairs for n <= kLanes keys, read in
@@ -587,12 +608,12 @@ class AttentionTask {
     if (in_place) {
       keys = reinterpret_cast<const uint32_t*>(krows.row(j0)), ldk = krows.stride / 2;
     } else {  // whole chunks of kLanes zero-padded rows
-      const int64_t ld = plan_.chunked_row;
+      const int64_t ld = rb.mode->chunked_row;
       uint32_t* kp = pack_key_pairs(krows, j0, n, ld, w);
       std::memset(kp + n * ld, 0, sizeof(uint32_t) * (kLanes - n) * ld);
       keys = kp, ldk = ld;
     }
-    dot_key_block_bf16(plan_.rows_per_vec, rb.rows, plan_.chunks, keys, ldk, reinterpret_cast<const uint32_t*>(w.qt),
+    dot_key_block_bf16(rb.mode->rows_per_vec, rb.rows, rb.mode->chunks, keys, ldk, reinterpret_cast<const uint32_t*>(w.qt),
                        s, lds);
     const vfloat scale = vbroadcast(rb.scale);
     for (int64_t r = 0; r < rb.rows; ++r) vstore(s + r * lds, vload(s + r * lds) * scale);
@@ -760,7 +781,7 @@ class AttentionTask {
   // Decode: Q rows pre-multiplied by the softmax scale, grouped for dot_key_block into w.qt (via w.k).
   void pack_q_rows(const RowBlock& rb, const Workspace& w) const {
     for (int64_t r = 0; r < rb.rows; ++r) load_row<T>(q_row(rb, r), p_.q_stride[3], p_.D, rb.scale, w.k + r * p_.D);
-    group_rows(plan_.rows_per_vec, rb.rows, p_.D, w.k, p_.D, plan_.chunks, w.qt);
+    group_rows(rb.mode->rows_per_vec, rb.rows, p_.D, w.k, p_.D, rb.mode->chunks, w.qt);
   }
 
   // Qᵀ [D][rows_pad], pre-multiplied by the softmax scale; padding rows are zero. Rows are
@@ -836,7 +857,7 @@ class AttentionTask {
       const float* o = o_acc + r * plan_.dv_pad;
       const int64_t row = rb.row0 + i;  // packed row (ragged batches), else the position
       E* dst = out + rb.b * p_.out_stride[0] + h * p_.out_stride[1] + row * p_.out_stride[2];
-      if (plan_.v_split_bf16) {  // back to column order
+      if (rb.mode->v_split_bf16) {  // back to column order
         unsplit_bf16_row(o, p_.Dv, scratch);
         o = scratch;
       }
