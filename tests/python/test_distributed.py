@@ -9,6 +9,7 @@ ranks run 1 thread each."""
 
 import datetime
 import os
+import re
 
 import numpy as np
 import pytest
@@ -108,7 +109,7 @@ def _inputs(seed, shape_q, shape_kv, dv, dtype=torch.float32):
 
 
 def _ring_case(rank, world, *, seed, B, Hq, Hkv, Sq, Skv, D, Dv, causal, layout, dtype=torch.float32,
-               q_lens=None, kv_lens=None):
+               q_lens=None, kv_lens=None, group=None):
     """Ring attention on this rank's shard against the float64 reference and one process."""
     q, k, v = _inputs(seed, (B, Hq, Sq, D), (B, Hkv, Skv, D), Dv, dtype)
     if q_lens is None:
@@ -118,12 +119,12 @@ def _ring_case(rank, world, *, seed, B, Hq, Hkv, Sq, Skv, D, Dv, causal, layout,
         qs, ks = sum(q_lens[:rank]), sum(kv_lens[:rank])
         lq, lk, lv = q[:, :, qs:qs + q_lens[rank]], k[:, :, ks:ks + kv_lens[rank]], v[:, :, ks:ks + kv_lens[rank]]
     timings = []
-    out, lse = ad.ring_attention(lq, lk, lv, causal=causal, layout=layout, enable_gqa=Hq != Hkv,
+    out, lse = ad.ring_attention(lq, lk, lv, group=group, causal=causal, layout=layout, enable_gqa=Hq != Hkv,
                                  return_lse=True, timings=timings)
     assert len(timings) == world and all(t["compute_s"] >= 0 and t["wait_s"] >= 0 for t in timings)
     assert out.dtype == dtype and out.shape == lq.shape[:3] + (Dv,) and lse.shape == lq.shape[:3]
-    full = ad.gather_sequence(out, layout=layout)
-    full_lse = ad.gather_sequence(lse, layout=layout)
+    full = ad.gather_sequence(out, group=group, layout=layout)
+    full_lse = ad.gather_sequence(lse, group=group, layout=layout)
     want, want_lse = attention_ref(q, k, v, causal=causal, enable_gqa=Hq != Hkv)
     tol = {torch.float32: 2e-5, torch.bfloat16: 2e-2}[dtype]
     np.testing.assert_allclose(to_f64(full), want, rtol=tol, atol=tol)
@@ -135,7 +136,6 @@ def _ring_case(rank, world, *, seed, B, Hq, Hkv, Sq, Skv, D, Dv, causal, layout,
 
 
 def _expect_error(fn, message):
-    import re
     try:
         fn()
     except ValueError as e:
@@ -190,6 +190,9 @@ def _two_ranks(rank, world, store_path):
                   r"q, k and v must have one dtype")
     # After the errors the group still works.
     _ring_case(rank, world, seed=7, B=1, Hq=1, Hkv=1, Sq=8, Skv=8, D=8, Dv=8, causal=True, layout="zigzag")
+    # A group of one rank: no transfers, the whole sequence.
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    _ring_case(0, 1, seed=8, B=1, Hq=2, Hkv=1, Sq=9, Skv=9, D=8, Dv=8, causal=True, layout="zigzag", group=alone)
     dist.destroy_process_group()
 
 
@@ -227,6 +230,11 @@ def _three_ranks(rank, world, store_path):
                layout="contiguous", q_lens=[20, 1, 10], kv_lens=[20, 1, 10])
     _ring_case(rank, world, seed=15, B=1, Hq=2, Hkv=2, Sq=17, Skv=9, D=8, Dv=4, causal=False,
                layout="contiguous", q_lens=[0, 9, 8], kv_lens=[3, 3, 3])
+    # A subgroup of global ranks 1 and 2: ring neighbours are mapped to global ranks.
+    pair = dist.new_group([1, 2])
+    if rank > 0:
+        _ring_case(rank - 1, 2, seed=16, B=1, Hq=2, Hkv=2, Sq=20, Skv=20, D=8, Dv=8, causal=True,
+                   layout="zigzag", group=pair)
     x = torch.randn(1, 4, 6, 8)
     _expect_error(lambda: ad.ring_attention(x if rank != 2 else x[:, :2], x if rank != 2 else x[:, :2],
                                             x if rank != 2 else x[:, :2], layout="contiguous"),
@@ -237,3 +245,11 @@ def _three_ranks(rank, world, store_path):
 @pytest.mark.parametrize("world, body", [(2, _two_ranks), (3, _three_ranks)])
 def test_spawned_group(tmp_path, world, body):
     mp.spawn(body, args=(world, str(tmp_path / "store")), nprocs=world, join=True)
+
+
+def test_ring_benchmark_runs(capfd):
+    from attnkit.bench import ring
+    assert ring.main(["--seq", "256", "--heads", "2", "--kv-heads", "1", "--dim", "32", "--reps", "1"]) == 0
+    text = capfd.readouterr().out  # the ranks print from their own processes
+    assert "verified: ring vs one process" in text and "| 2 ranks x 1 thread (ring_attention) |" in text
+    assert len(re.findall(r"^\| [01] \| [01] \| [0-9.]+ \| [0-9.]+ \|$", text, re.M)) == 4  # 2 ranks x 2 steps
