@@ -116,7 +116,8 @@ def gather_sequence(local, *, group=None, layout="zigzag", dim=2):
 
 def causal_pieces(q_len, kv_len, shift):
     """Pieces of a causal block in which query a sees key b iff b <= a + shift, as
-    (row_start, row_end, kv_end, causal code) over attention's own conventions:
+    (row_start, row_end, kv_end, causal) for attention on rows [row_start, row_end) and
+    keys [0, kv_end), in attention's own conventions:
     rows that see no key are left out (they stay empty), rows that see a prefix of the
     keys become one bottom-right causal call on that prefix, rows that see every key one
     call without a mask."""
@@ -126,9 +127,9 @@ def causal_pieces(q_len, kv_len, shift):
     full = min(max(kv_len - 1 - shift, first), q_len)    # rows from here see all keys
     pieces = []
     if full > first:
-        pieces.append((first, full, full + shift, 2))
+        pieces.append((first, full, full + shift, "bottom_right"))
     if q_len > full:
-        pieces.append((full, q_len, kv_len, 0))
+        pieces.append((full, q_len, kv_len, False))
     return pieces
 
 
@@ -248,8 +249,9 @@ def ring_attention(q, k, v, *, group=None, causal=False, scale=None, layout="zig
     the input dtype before its merge.
 
     Before any transfer the ranks all-gather their shapes, dtypes and options; invalid or
-    inconsistent input raises the same ValueError on every rank. Transfers wait at most
-    timeout (a datetime.timedelta, default 5 minutes) and then raise. timings, if a list,
+    inconsistent input raises the same ValueError on every rank (that exchange waits for
+    the group's own timeout). Transfers wait at most timeout (a datetime.timedelta,
+    default 5 minutes) and then raise. timings, if a list,
     gets one dict per ring step: {"step", "compute_s", "wait_s"}. Forward only (no autograd).
     """
     rank, world = _rank_and_size(group)
@@ -271,7 +273,7 @@ def ring_attention(q, k, v, *, group=None, causal=False, scale=None, layout="zig
         """Merges the attention of this rank's queries over origin's K/V block into acc."""
         calls = []
         if code == 0:
-            calls.append((0, Sq, kb, vb, 0))
+            calls.append((0, Sq, kb, vb, False))
         else:
             local_q = 0
             for qs, qe in q_segments:
@@ -282,11 +284,11 @@ def ring_attention(q, k, v, *, group=None, causal=False, scale=None, layout="zig
                                       vb[:, :, local_k:local_k + k_end], piece))
                     local_k += ke - ks
                 local_q += qe - qs
-        for r0, r1, kp, vp, piece in calls:
+        for r0, r1, kp, vp, piece_causal in calls:
             if r1 <= r0 or kp.shape[2] == 0:
                 continue
-            part, part_lse = attention(q[:, :, r0:r1], kp, vp, causal=[False, True, "bottom_right"][piece],
-                                       scale=scale, enable_gqa=enable_gqa, return_lse=True)
+            part, part_lse = attention(q[:, :, r0:r1], kp, vp, causal=piece_causal, scale=scale,
+                                       enable_gqa=enable_gqa, return_lse=True)
             rows, rows_lse = acc[:, :, r0:r1], acc_lse[:, :, r0:r1]
             merge_attention_states(rows, rows_lse, part, part_lse, out=rows, lse_out=rows_lse)
 
@@ -299,9 +301,8 @@ def ring_attention(q, k, v, *, group=None, causal=False, scale=None, layout="zig
         works = []
         if step + 1 < world:
             source = (rank - step - 1) % world
-            incoming = torch.empty(
-                max(1, B * kv_lens[source] * descs[source]["kv"][1] * (q.shape[3] + Dv) * q.dtype.itemsize),
-                dtype=torch.uint8)
+            block_bytes = B * k.shape[1] * kv_lens[source] * (q.shape[3] + Dv) * q.dtype.itemsize
+            incoming = torch.empty(max(1, block_bytes), dtype=torch.uint8)
             works = [dist.isend(current, next_rank, group=group), dist.irecv(incoming, prev_rank, group=group)]
         t0 = time.perf_counter()
         attend(kb, vb, origin)

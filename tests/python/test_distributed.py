@@ -72,12 +72,13 @@ def test_causal_pieces_cover_the_mask_exactly():
             for shift in range(-8, 9):
                 want = np.arange(kv_len)[None, :] <= np.arange(q_len)[:, None] + shift
                 got = np.zeros((q_len, kv_len), int)
-                for r0, r1, k_end, code in ad.causal_pieces(q_len, kv_len, shift):
+                for r0, r1, k_end, causal in ad.causal_pieces(q_len, kv_len, shift):
+                    assert causal in (False, "bottom_right")
                     assert 0 <= r0 < r1 <= q_len and 0 < k_end <= kv_len
                     for a in range(r0, r1):
                         for b in range(k_end):
                             # bottom-right on the piece: row a - r0 sees b <= (a - r0) + k_end - (r1 - r0)
-                            got[a, b] += code == 0 or b <= (a - r0) + k_end - (r1 - r0)
+                            got[a, b] += not causal or b <= (a - r0) + k_end - (r1 - r0)
                 np.testing.assert_array_equal(got, want.astype(int), err_msg=f"{q_len} {kv_len} {shift}")
 
 
