@@ -7,6 +7,7 @@ them gives the single-process result bit for bit. ring_attention shards the sequ
 """
 
 import datetime
+import json
 import math
 import time
 
@@ -166,10 +167,34 @@ def _describe(q, k, v, causal, scale, layout, enable_gqa, return_lse, timeout):
         if layout not in LAYOUTS:
             raise ValueError(f'layout must be "contiguous" or "zigzag", got {layout!r}')
         options = (code, None if scale is None else float(scale), layout, bool(enable_gqa), bool(return_lse))
-        return {"error": None, "q": tuple(q.shape), "kv": tuple(k.shape), "dv": v.shape[3], "dtype": str(q.dtype),
-                "options": options}
+        return {"error": None, "q": list(q.shape), "kv": list(k.shape), "dv": v.shape[3], "dtype": str(q.dtype),
+                "options": list(options)}
     except ValueError as e:
         return {"error": str(e)}
+
+
+_DESCRIPTION_BYTES = 4096
+
+
+def _exchange(desc, group, world, rank, timeout):
+    """Every rank's description, through one all_gather of fixed-size byte buffers that
+    waits at most timeout: a rank that never joins (it failed before the call, or calls
+    something else) makes the others raise instead of waiting for ever."""
+    if desc["error"] and len(desc["error"]) > _DESCRIPTION_BYTES // 2:
+        desc["error"] = desc["error"][:_DESCRIPTION_BYTES // 2] + "..."
+    data = json.dumps(desc).encode()
+    mine = torch.zeros(_DESCRIPTION_BYTES, dtype=torch.uint8)
+    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    work = dist.all_gather(gathered, mine, group=group, async_op=True)
+    if not isinstance(timeout, datetime.timedelta):  # reported as this rank's error; still wait a while
+        timeout = _DEFAULT_TIMEOUT
+    try:
+        work.wait(timeout)
+    except RuntimeError as e:
+        raise RuntimeError(f"ring_attention: rank {rank}: not every rank of the group joined (waited at most "
+                           f"{timeout}; a rank failed before the call, does not call it, or left): {e}") from None
+    return [json.loads(bytes(g.numpy()).rstrip(b"\0").decode()) for g in gathered]
 
 
 def _agree(descs, world):
@@ -249,16 +274,16 @@ def ring_attention(q, k, v, *, group=None, causal=False, scale=None, layout="zig
     the input dtype before its merge.
 
     Before any transfer the ranks all-gather their shapes, dtypes and options; invalid or
-    inconsistent input raises the same ValueError on every rank (that exchange waits for
-    the group's own timeout). Transfers wait at most timeout (a datetime.timedelta,
-    default 5 minutes) and then raise. timings, if a list,
+    inconsistent input raises the same ValueError on every rank. That exchange and every
+    transfer wait at most timeout (a datetime.timedelta, default 5 minutes), then raise
+    RuntimeError (e.g. a rank that never calls); the group is then unusable, as after any
+    failed collective. timings, if a list,
     gets one dict per ring step: {"step", "compute_s", "wait_s"}. Forward only (no autograd).
     """
     rank, world = _rank_and_size(group)
     timeout = _DEFAULT_TIMEOUT if timeout is None else timeout
-    descs = [None] * world
-    dist.all_gather_object(descs, _describe(q, k, v, causal, scale, layout, enable_gqa, return_lse, timeout),
-                           group=group)
+    descs = _exchange(_describe(q, k, v, causal, scale, layout, enable_gqa, return_lse, timeout), group, world,
+                      rank, timeout)
     q_lens, kv_lens = _agree(descs, world)
 
     code = causal_code(causal)

@@ -10,6 +10,7 @@ ranks run 1 thread each."""
 import datetime
 import os
 import re
+import time
 
 import numpy as np
 import pytest
@@ -194,6 +195,19 @@ def _two_ranks(rank, world, store_path):
     # A group of one rank: no transfers, the whole sequence.
     alone = [dist.new_group([r]) for r in range(world)][rank]
     _ring_case(0, 1, seed=8, B=1, Hq=2, Hkv=1, Sq=9, Skv=9, D=8, Dv=8, causal=True, layout="zigzag", group=alone)
+    # A rank that never calls: the other raises after its timeout instead of hanging. (The
+    # group is unusable afterwards, so this comes last.)
+    if rank == 0:
+        started = time.monotonic()
+        try:
+            ad.ring_attention(x, x, x, timeout=datetime.timedelta(seconds=1))
+            raise AssertionError("no timeout")
+        except RuntimeError as e:
+            assert "not every rank of the group joined (waited at most 0:00:01" in str(e), str(e)
+            assert "timed out" in str(e).lower(), str(e)
+        assert 0.9 < time.monotonic() - started < 30
+    if rank == 1:
+        time.sleep(3)  # still in the group, never calling
     dist.destroy_process_group()
 
 
@@ -239,7 +253,7 @@ def _three_ranks(rank, world, store_path):
     x = torch.randn(1, 4, 6, 8)
     _expect_error(lambda: ad.ring_attention(x if rank != 2 else x[:, :2], x if rank != 2 else x[:, :2],
                                             x if rank != 2 else x[:, :2], layout="contiguous"),
-                  r"ranks disagree on q's \[B, Hq, D\]: rank 0 has \(1, 4, 6, 8\), rank 2 has \(1, 2, 6, 8\)")
+                  r"ranks disagree on q's \[B, Hq, D\]: rank 0 has \[1, 4, 6, 8\], rank 2 has \[1, 2, 6, 8\]")
     dist.destroy_process_group()
 
 
