@@ -16,7 +16,8 @@ namespace {
 constexpr int64_t kChunk = 512;  // columns per pass: two float32 chunks stay in L1
 
 // dst[i] = float(src[offset + i * stride]) * scale, for i < n.
-void load_scaled(DType dtype, const void* base, int64_t offset, int64_t stride, int64_t n, float scale, float* dst) {
+void load_scaled(DType dtype, const void* base, int64_t offset, int64_t stride, int64_t n, float scale,
+                 float* dst) {
   switch (dtype) {
     case DType::float32:
       return load_row<DType::float32>(static_cast<const float*>(base) + offset, stride, n, scale, dst);

@@ -67,7 +67,9 @@ void merge_attention_states(const MergeStatesArgs& a) {
 
   // 2. Dtypes of the outputs of attention.
   for (const auto& [t, name] : {std::pair{&a.out_a, "out_a"}, {&a.out_b, "out_b"}, {&a.out, "out"}}) {
-    if (!is_float_type(t->dtype)) fail(name, " must be float32, float16 or bfloat16, got ", dtype_name(t->dtype));
+    if (!is_float_type(t->dtype)) {
+      fail(name, " must be float32, float16 or bfloat16, got ", dtype_name(t->dtype));
+    }
   }
 
   // 3. Shapes: out_b and out as out_a; every lse as out_a without Dv.

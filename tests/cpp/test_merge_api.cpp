@@ -59,7 +59,9 @@ TEST(MergeApi, MatchesDoubleOnEveryIsa) {
     args.out_a = args.out = attnkit::TensorView(acc.data(), attnkit::DType::float32, {T, H, D});
     args.lse_a = args.lse_out = attnkit::TensorView(acc_lse.data(), attnkit::DType::float32, {T, H});
     attnkit::merge_attention_states(args);
-    for (int64_t i = 0; i < T * H * D; ++i) ASSERT_EQ(std::memcmp(&acc[i], &out[i], 4), 0) << isa << " at " << i;
+    for (int64_t i = 0; i < T * H * D; ++i) {
+      ASSERT_EQ(std::memcmp(&acc[i], &out[i], 4), 0) << isa << " at " << i;
+    }
   }
   attnkit::set_isa(original);
 }
@@ -76,9 +78,8 @@ TEST(MergeApi, InvalidArgumentsThrowTypedErrors) {
     attnkit::merge_attention_states(args);
     FAIL() << "expected attnkit::Error";
   } catch (const attnkit::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("lse_out must have out_a's shape without its last dim, [2, 3], got [3]"),
-              std::string::npos)
-        << e.what();
+    const std::string want = "lse_out must have out_a's shape without its last dim, [2, 3], got [3]";
+    EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
   }
 }
 

@@ -4,8 +4,9 @@
 (attnkit.attention on the whole sequence), causal, interleaved rep by rep inside one
 spawned group: rank 0 times the single-process call while rank 1 waits at a barrier,
 then both time ring_attention. Reports medians of the wall time (the slower rank), the
-speed-up, the CPU time of each (independent of how busy the machine is), and per ring step the median compute and wait (transfer not hidden) of each
-rank. The ring output is checked against the single-process one first.
+speed-up, the CPU time of each (independent of how busy the machine is), and per ring
+step the median compute and wait (transfer not hidden) of each rank. The ring output is
+checked against the single-process one first.
 """
 
 import argparse
