@@ -4,6 +4,14 @@ tensor-parallel head shards and ring (context-parallel) attention.
 Tensor parallelism needs no special op: a rank takes its heads (shard_heads) and calls
 attnkit.attention / sparse_mla_prefill_fwd on them; results are per head, so gathering
 them gives the single-process result bit for bit. ring_attention shards the sequence.
+
+    # every rank, after torch.distributed.init_process_group("gloo", ...):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    start, count = shard_heads(128, world, rank)               # TP: this rank's heads
+    out = attnkit.attention(q[:, start:start + count], k[:, start:start + count], ...)
+    lq, lk, lv = (shard_sequence(x, world, rank) for x in (q, k, v))   # CP: zigzag shards
+    out = ring_attention(lq, lk, lv, causal=True)              # this rank's queries
+    full = gather_sequence(out)                                # if every rank needs it all
 """
 
 import datetime
