@@ -4,6 +4,7 @@
 #include "attnkit/attention.h"
 #include "attnkit/dtype.h"
 #include "attnkit/error.h"
+#include "attnkit/merge.h"
 #include "attnkit/runtime.h"
 #include "attnkit/serving.h"
 #include "attnkit/sage.h"

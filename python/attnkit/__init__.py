@@ -6,12 +6,21 @@ torch tensors, taken without copies; outputs come back in the input's kind.
 """
 
 from . import _C
+from .merge import merge_attention_states
 from .ops import attention
 from .sage import sage_attention
 from .serving import append_kv_cache, paged_attention, varlen_attention
 from .sparse_mla import pad_heads, sparse_mla_prefill_fwd, sparse_mla_q8kv8_prefill_fwd, unpad_heads
 
 __version__ = _C.version()
+
+
+def __getattr__(name):
+    # attnkit.distributed needs torch, which attnkit never imports on its own.
+    if name == "distributed":
+        import importlib
+        return importlib.import_module(".distributed", __name__)
+    raise AttributeError(f"module 'attnkit' has no attribute {name!r}")
 
 
 def set_num_threads(n: int) -> None:
@@ -41,5 +50,6 @@ def set_isa(name: str) -> None:
     _C.set_isa(name)
 
 
-__all__ = ["attention", "varlen_attention", "paged_attention", "append_kv_cache", "sage_attention", "sparse_mla_prefill_fwd", "sparse_mla_q8kv8_prefill_fwd", "pad_heads",
+__all__ = ["attention", "varlen_attention", "paged_attention", "append_kv_cache", "merge_attention_states",
+           "sage_attention", "sparse_mla_prefill_fwd", "sparse_mla_q8kv8_prefill_fwd", "pad_heads",
            "unpad_heads", "set_num_threads", "get_num_threads", "get_isa", "supported_isas", "set_isa"]

@@ -206,6 +206,19 @@ void cast(const InArray& src, const OutArray& dst) {
   attnkit::cast(s.data, s.dtype, d.data, d.dtype, static_cast<size_t>(s.numel()));
 }
 
+void merge_attention_states(const InArray& out_a, const InArray& lse_a, const InArray& out_b, const InArray& lse_b,
+                            const OutArray& out, const OutArray& lse_out) {
+  attnkit::MergeStatesArgs args;
+  args.out_a = to_view(out_a, "out_a");
+  args.lse_a = to_view(lse_a, "lse_a");
+  args.out_b = to_view(out_b, "out_b");
+  args.lse_b = to_view(lse_b, "lse_b");
+  args.out = to_view(out, "out");
+  args.lse_out = to_view(lse_out, "lse_out");
+  nb::gil_scoped_release release;
+  attnkit::merge_attention_states(args);
+}
+
 }  // namespace
 
 NB_MODULE(_C, m) {
@@ -248,4 +261,6 @@ NB_MODULE(_C, m) {
   m.def("version", &attnkit::version);
   m.def("build_info", &attnkit::build_info);
   m.def("cpu_features", &attnkit::cpu_features);
+  m.def("merge_attention_states", &merge_attention_states, "out_a"_a, "lse_a"_a, "out_b"_a, "lse_b"_a, "out"_a,
+        "lse_out"_a);
 }
