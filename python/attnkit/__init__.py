@@ -1,7 +1,8 @@
 """attnkit: exact and quantized attention kernels for inference, CPU first.
 
 Public API: :func:`attention` (PyTorch SDPA semantics), thread and ISA controls, and
-``python -m attnkit info``. Arrays are numpy arrays (bf16/fp8 through ml_dtypes) or CPU
+``python -m attnkit info``; ``attnkit.torch`` (a drop-in for torch's SDPA and a scoped
+override) and ``attnkit.integrations`` (transformers, diffusers). Arrays are numpy arrays (bf16/fp8 through ml_dtypes) or CPU
 torch tensors, taken without copies; outputs come back in the input's kind.
 """
 
@@ -38,6 +39,15 @@ def supported_isas() -> list:
 def set_isa(name: str) -> None:
     """Selects a kernel variant (one of supported_isas()); ATTNKIT_ISA sets it at load."""
     _C.set_isa(name)
+
+
+def __getattr__(name):
+    """attnkit.torch and attnkit.integrations load on first use: both import torch, which
+    attnkit itself never does before a tensor reaches it."""
+    if name in ("torch", "integrations"):
+        import importlib
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["attention", "sage_attention", "sparse_mla_prefill_fwd", "sparse_mla_q8kv8_prefill_fwd", "pad_heads",
