@@ -184,6 +184,55 @@ def test_torch_compile_fullgraph(rng):
                  *tolerance("float32"), "compiled, second call")
 
 
+def test_compiled_graph_holds_the_registered_op(rng):
+    """Eager calls skip the dispatcher (call overhead); compiled ones must still be one
+    traced attnkit op, not a graph break into the eager path."""
+    torch._dynamo.reset()
+    q, k, v = tq(rng, 1, 2, 2, 9, 12, 16, 16)
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    cf = torch.compile(lambda q, k, v: attnkit.attention(q, k, v, causal=True), backend=backend,
+                       fullgraph=True)
+    got = cf(q, k, v)
+    assert len(graphs) == 1 and "attnkit.attention" in graphs[0], graphs
+    assert_bits_equal(got, attnkit.attention(q, k, v, causal=True))
+
+
+def test_eager_path_equals_the_registered_op(rng):
+    """The direct eager call, the registered op through the dispatcher, and a call under a
+    dispatch mode (which must take the dispatcher, so that the mode sees the op) agree bitwise."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = tq(rng, 2, 4, 2, 33, 70, 16, 24)
+    mask = torch.from_numpy(make_mask(rng, "float", (2, 1, 33, 70)))
+    eager = attnkit.attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=0.2)
+    op, _ = torch.ops.attnkit.attention(q, k, v, mask, 0, 0.2, 0.0, None, True, "BHSD")
+    with Record() as rec:
+        moded = attnkit.attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=0.2)
+    assert any("attnkit.attention" in o for o in rec.ops), rec.ops
+    assert_bits_equal(eager, op)
+    assert_bits_equal(eager, moded)
+    out = torch.full((2, 4, 33, 24), float("nan"))
+    res, lse = attnkit.attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=0.2, out=out,
+                                 return_lse=True)
+    assert res is out
+    assert_bits_equal(out, eager)
+    assert_bits_equal(lse, torch.ops.attnkit.attention(q, k, v, mask, 0, 0.2, 0.0, None, True, "BHSD")[1])
+
+
 def test_torch_compile_out_and_dropout(rng):
     """out= (the mutating op) and a fixed-seed dropout trace with fullgraph=True too."""
     torch._dynamo.reset()
