@@ -202,6 +202,22 @@ def test_compiled_graph_holds_the_registered_op(rng):
     assert_bits_equal(got, attnkit.attention(q, k, v, causal=True))
 
 
+def test_eager_call_skips_the_dispatcher(rng, monkeypatch):
+    """The call-overhead fix: an eager call on plain tensors never enters the registered op
+    (whose Python kernel goes through run_attention); tensor subclasses still do."""
+    import attnkit._torch_ops as tops
+
+    entered = []
+    real = tops.run_attention
+    monkeypatch.setattr(tops, "run_attention", lambda *a: entered.append(1) or real(*a))
+    q, k, v = tq(rng, 1, 2, 2, 5, 7, 8, 8)
+    attnkit.attention(q, k, v)
+    attnkit.attention(q, k, v, out=torch.empty(1, 2, 5, 8), return_lse=True)
+    assert entered == []
+    attnkit.attention(torch.nn.Parameter(q, requires_grad=False), k, v)
+    assert entered == [1]
+
+
 def test_eager_path_equals_the_registered_op(rng):
     """The direct eager call, the registered op through the dispatcher, and a call under a
     dispatch mode (which must take the dispatcher, so that the mode sees the op) agree bitwise."""
