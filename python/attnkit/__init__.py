@@ -1,7 +1,8 @@
 """attnkit: exact and quantized attention kernels for inference, CPU first.
 
 Public API: :func:`attention` (PyTorch SDPA semantics), thread and ISA controls, and
-``python -m attnkit info``. Arrays are numpy arrays (bf16/fp8 through ml_dtypes) or CPU
+``python -m attnkit info``; ``attnkit.torch`` (a drop-in for torch's SDPA and a scoped
+override) and ``attnkit.integrations`` (transformers, diffusers). Arrays are numpy arrays (bf16/fp8 through ml_dtypes) or CPU
 torch tensors, taken without copies; outputs come back in the input's kind.
 """
 
@@ -16,11 +17,12 @@ __version__ = _C.version()
 
 
 def __getattr__(name):
-    # attnkit.distributed needs torch, which attnkit never imports on its own.
-    if name == "distributed":
+    """attnkit.torch, attnkit.integrations and attnkit.distributed load on first use: they
+    import torch, which attnkit itself never does before a tensor reaches it."""
+    if name in ("torch", "integrations", "distributed"):
         import importlib
-        return importlib.import_module(".distributed", __name__)
-    raise AttributeError(f"module 'attnkit' has no attribute {name!r}")
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def set_num_threads(n: int) -> None:

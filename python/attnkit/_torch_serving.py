@@ -4,6 +4,7 @@ forms writing caller buffers) and append_kv_cache (mutates the caches)."""
 
 import torch
 
+from ._torch_ops import register_grad_refusal
 from .serving import _packed_out_shapes, run_append, run_paged, run_varlen
 
 _LIB = torch.library.Library("attnkit", "FRAGMENT")
@@ -66,6 +67,7 @@ for _name, _impl, _fake in (("varlen_attention", _varlen_impl, _varlen_fake),
                             ("append_kv_cache", run_append, _nothing)):
     _LIB.impl(_name, _impl, "CPU")
     torch.library.register_fake(f"attnkit::{_name}", _fake, lib=_LIB)
+    register_grad_refusal(_name, _LIB)
 
 
 def varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_lse, out):

@@ -18,6 +18,9 @@ from . import _C
 from ._arrays import empty_like_kind, kind_of, typed, typed_or_none, typed_output
 
 
+CACHE = "float32, float16, bfloat16, float8_e4m3fn or float8_e5m2"
+
+
 def _same_kind(kind, named):
     for x, name in named:
         if x is not None and kind_of(x, name) != kind:
@@ -74,24 +77,25 @@ def _packed_out_shapes(q, v, name_v):
 
 
 def run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, out, lse):
-    _C.varlen_attention(typed(q, "q"), typed(k, "k"), typed(v, "v"), typed(cu_seqlens_q, "cu_seqlens_q"),
-                        typed(cu_seqlens_k, "cu_seqlens_k"), typed_output(out, "out"),
-                        None if lse is None else typed_output(lse, "lse"), max_seqlen_q, max_seqlen_k, causal,
-                        scale)
+    _C.varlen_attention(typed(q, "q"), typed(k, "k"), typed(v, "v"), typed(cu_seqlens_q, "cu_seqlens_q", "int32"),
+                        typed(cu_seqlens_k, "cu_seqlens_k", "int32"), typed_output(out, "out"),
+                        None if lse is None else typed_output(lse, "lse", "float32"), max_seqlen_q, max_seqlen_k,
+                        causal, scale)
 
 
 def run_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, k_scale, v_scale, causal, scale, out, lse):
-    _C.paged_attention(typed(q, "q"), typed(k_cache, "k_cache"), typed(v_cache, "v_cache"),
-                       typed(block_table, "block_table"), typed(seq_lens, "seq_lens"),
-                       typed(cu_seqlens_q, "cu_seqlens_q"), typed_output(out, "out"),
-                       None if lse is None else typed_output(lse, "lse"), typed_or_none(k_scale, "k_scale"),
-                       typed_or_none(v_scale, "v_scale"), causal, scale)
+    _C.paged_attention(typed(q, "q"), typed(k_cache, "k_cache", CACHE), typed(v_cache, "v_cache", CACHE),
+                       typed(block_table, "block_table", "int32"), typed(seq_lens, "seq_lens", "int32"),
+                       typed(cu_seqlens_q, "cu_seqlens_q", "int32"), typed_output(out, "out"),
+                       None if lse is None else typed_output(lse, "lse", "float32"),
+                       typed_or_none(k_scale, "k_scale", "float32"), typed_or_none(v_scale, "v_scale", "float32"),
+                       causal, scale)
 
 
 def run_append(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale):
-    _C.append_kv_cache(typed(k, "k"), typed(v, "v"), typed_output(k_cache, "k_cache"),
-                       typed_output(v_cache, "v_cache"), typed(slot_mapping, "slot_mapping"),
-                       typed_or_none(k_scale, "k_scale"), typed_or_none(v_scale, "v_scale"))
+    _C.append_kv_cache(typed(k, "k"), typed(v, "v"), typed_output(k_cache, "k_cache", CACHE),
+                       typed_output(v_cache, "v_cache", CACHE), typed(slot_mapping, "slot_mapping", "int32 or int64"),
+                       typed_or_none(k_scale, "k_scale", "float32"), typed_or_none(v_scale, "v_scale", "float32"))
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,

@@ -2,16 +2,21 @@
 // calls the C++ API with the GIL released; every check lives in the op layer (src/ops).
 // Arrays arrive through DLPack/the buffer protocol (numpy, torch) as (array, dtype name)
 // pairs: the Python layer names the element type, since numpy cannot express bf16/fp8.
+// torch tensors arrive as (address, shape, strides, dtype name) instead: exporting a tensor
+// through DLPack costs microseconds per tensor, a large share of a decode step's call.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
 #include <optional>
 #include <string>
 #include <tuple>
+#include <variant>
+#include <vector>
 
 #include "attnkit/attnkit.h"
 
@@ -20,12 +25,32 @@ using namespace nb::literals;
 
 namespace {
 
+// A strided CPU tensor described by the caller (strides in elements), which keeps it
+// alive for the call; only attnkit's Python layer builds these, from torch tensors.
+using RawArray = std::tuple<uintptr_t, std::vector<int64_t>, std::vector<int64_t>, std::string>;
 // Inputs may be read-only (nb::ro); outputs must be writable.
-using InArray = std::tuple<nb::ndarray<nb::ro, nb::device::cpu>, std::string>;
-using OutArray = std::tuple<nb::ndarray<nb::device::cpu>, std::string>;
+using InArray = std::variant<RawArray, std::tuple<nb::ndarray<nb::ro, nb::device::cpu>, std::string>>;
+using OutArray = std::variant<RawArray, std::tuple<nb::ndarray<nb::device::cpu>, std::string>>;
 
-template <class TypedArray>
-attnkit::TensorView to_view(const TypedArray& typed, const char* name) {
+attnkit::TensorView to_view(const RawArray& raw, const char* name) {
+  const auto& [address, shape, strides, dtype_name] = raw;
+  if (shape.size() != strides.size() || shape.size() > static_cast<size_t>(attnkit::kMaxRank)) {
+    throw attnkit::Error(std::string(name) + " must have at most " + std::to_string(attnkit::kMaxRank) +
+                         " dimensions, got " + std::to_string(shape.size()));
+  }
+  attnkit::TensorView view;
+  view.dtype = attnkit::dtype_from_name(dtype_name);
+  view.data = reinterpret_cast<void*>(address);
+  view.rank = static_cast<int>(shape.size());
+  for (int d = 0; d < view.rank; ++d) {
+    view.shape[d] = shape[d];
+    view.strides[d] = strides[d];
+  }
+  return view;
+}
+
+template <class Array>
+attnkit::TensorView to_view(const std::tuple<Array, std::string>& typed, const char* name) {
   const auto& [array, dtype_name] = typed;
   attnkit::TensorView view;
   view.dtype = attnkit::dtype_from_name(dtype_name);
@@ -45,6 +70,11 @@ attnkit::TensorView to_view(const TypedArray& typed, const char* name) {
     view.strides[d] = static_cast<int64_t>(array.stride(d));
   }
   return view;
+}
+
+template <class... Forms>
+attnkit::TensorView to_view(const std::variant<Forms...>& typed, const char* name) {
+  return std::visit([name](const auto& form) { return to_view(form, name); }, typed);
 }
 
 template <class TypedArray>
