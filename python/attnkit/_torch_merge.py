@@ -4,6 +4,7 @@ and lse_a updated), so each form has an honest schema for torch.compile and opch
 
 import torch
 
+from ._torch_ops import register_grad_refusal
 from .merge import merge_shapes, run_merge
 
 _LIB = torch.library.Library("attnkit", "FRAGMENT")
@@ -44,6 +45,8 @@ _LIB.impl("merge_attention_states_", _inplace_impl, "CPU")
 torch.library.register_fake("attnkit::merge_attention_states", _functional_fake, lib=_LIB)
 torch.library.register_fake("attnkit::merge_attention_states_out", _no_result, lib=_LIB)
 torch.library.register_fake("attnkit::merge_attention_states_", _no_result, lib=_LIB)
+for _name in ("merge_attention_states", "merge_attention_states_out", "merge_attention_states_"):
+    register_grad_refusal(_name, _LIB)
 
 
 def _same_view(x, y):

@@ -15,8 +15,9 @@ def merge_shapes(out_a, lse_a=None):
 
 def run_merge(out_a, lse_a, out_b, lse_b, out, lse_out):
     """Calls the kernel; every argument is already of one kind and the outputs exist."""
-    _C.merge_attention_states(typed(out_a, "out_a"), typed(lse_a, "lse_a"), typed(out_b, "out_b"),
-                              typed(lse_b, "lse_b"), typed_output(out, "out"), typed_output(lse_out, "lse_out"))
+    _C.merge_attention_states(typed(out_a, "out_a"), typed(lse_a, "lse_a", "float32"), typed(out_b, "out_b"),
+                              typed(lse_b, "lse_b", "float32"), typed_output(out, "out"),
+                              typed_output(lse_out, "lse_out", "float32"))
 
 
 def merge_attention_states(out_a, lse_a, out_b, lse_b, *, out=None, lse_out=None):

@@ -261,7 +261,7 @@ def _call(args):
     (dict(lse_out=np.ones((3, 3), np.float32)), r"lse_out must have out_a's shape without its last dim"),
     (dict(lse_a=np.ones((3, 2), np.float16)), "lse_a must be float32, got float16"),
     (dict(lse_out=np.ones((3, 2), np.int32)), "lse_out must be float32, got int32"),
-    (dict(out_a=np.ones((3, 2, 8), np.float64)), "out_a has unsupported dtype float64"),
+    (dict(out_a=np.ones((3, 2, 8), np.float64)), "out_a must be float32, float16 or bfloat16, got float64"),
     (dict(lse_b=[[0.0, 0.0]] * 3), "lse_b must be a numpy array or a torch tensor, got list"),
 ])
 def test_errors(rng, change, message):
