@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+import attnkit  # noqa: E402
 import attnkit.integrations.transformers as ak_tf  # noqa: E402
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -64,6 +65,34 @@ def test_minilm_padded_batch_matches_stock(minilm):
             alone = models["attnkit"](**one).last_hidden_state[0]
         n = one["input_ids"].shape[1]
         assert (alone - got[i, :n]).abs().max().item() < 1e-4
+
+
+def test_padded_encoder_batch_skips_the_padding(minilm, monkeypatch):
+    """A right-padded encoder batch runs as a varlen batch (the padding keys are never read);
+    the padded positions too get what stock sdpa gives them (keys masked, queries kept)."""
+    tok, models = minilm
+    calls = []
+    varlen = attnkit.varlen_attention
+    monkeypatch.setattr(attnkit, "varlen_attention", lambda *a, **kw: calls.append(1) or varlen(*a, **kw))
+    batch = tok(SENTENCES, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        got = models["attnkit"](**batch).last_hidden_state
+        want = models["sdpa"](**batch).last_hidden_state
+    assert len(calls) == models["attnkit"].config.num_hidden_layers
+    assert (got - want).abs().max().item() < 1e-4  # every position, padding included
+
+
+def test_right_padding_detection():
+    B, S = 3, 6
+    lengths = torch.tensor([6, 2, 4], dtype=torch.int32)
+    keys = torch.arange(S)[None, :] < lengths[:, None]
+    mask = keys[:, None, None, :].expand(B, 1, S, S)
+    assert torch.equal(ak_tf._right_padding(mask.clone()), lengths)
+    assert ak_tf._right_padding(torch.ones(B, 1, S, S, dtype=torch.bool)) is None  # no padding: dense
+    assert ak_tf._right_padding(mask.flip(-1).clone()) is None                     # left padding
+    assert ak_tf._right_padding(mask.clone() & torch.ones(S, S, dtype=torch.bool).tril()) is None  # causal
+    assert ak_tf._right_padding(mask.float().clone()) is None                      # additive masks
+    assert ak_tf._right_padding(None) is None
 
 
 def test_minilm_mean_pooled_embeddings(minilm):

@@ -82,14 +82,56 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 
 
 def _dense(query, key, value, mask, causal, scaling, dropout, gqa, out_shape):
-    """Padded batches run here too, attending through the mask over the padding.
-    SERVING SWITCH: once the varlen/paged API (attnkit.serving) lands, a batch whose mask is
-    pure padding goes to the varlen op instead, skipping the padded tokens; this function is
-    the one place to change."""
+    """One attention call, output written in place in [B, S, H, Dv]. A batch whose mask only
+    pads keys on the right (an encoder's padded batch) runs as a varlen batch that never
+    reads the padding; anything else attends densely through the mask."""
     out = query.new_empty(out_shape)  # [B, S, H, Dv]: transformers' layout, written in place
+    lengths = None if causal or dropout else _right_padding(mask)
+    if lengths is not None:
+        _skip_padding(query, key, value, lengths, scaling, out)
+        return out
     attnkit.attention(query, key, value, attn_mask=mask, causal=causal, scale=scaling,
                       dropout_p=float(dropout), enable_gqa=gqa, out=out.transpose(1, 2))
     return out
+
+
+_last_mask = [None, None]  # (mask, its key lengths): every layer of a forward shares one mask
+
+
+def _right_padding(mask):
+    """Key lengths [B] (int32) if the bool mask [B, 1, Sq, Skv] lets every query of sequence
+    b see exactly its first lengths[b] keys (and some key is padding); else None."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1:
+        return None
+    if _last_mask[0] is mask:
+        return _last_mask[1]
+    first_row = mask[:, :, :1, :]
+    lengths = None
+    if torch.equal(mask, first_row.expand_as(mask)):
+        valid = first_row[:, 0, 0, :]
+        n = valid.sum(dim=-1, dtype=torch.int32)
+        prefix = torch.arange(valid.shape[-1]) < n[:, None]
+        if torch.equal(valid, prefix) and bool((n < valid.shape[-1]).any()):
+            lengths = n
+    _last_mask[0], _last_mask[1] = mask, lengths
+    return lengths
+
+
+def _skip_padding(query, key, value, lengths, scaling, out):
+    """Non-causal attention of every query of sequence b over its first lengths[b] keys, as
+    attnkit.varlen_attention over the tensors in place: the padding keys of each sequence
+    form a sequence of their own with no queries, so nothing is copied or computed for them."""
+    B, Hq, Sq, D = query.shape
+    Hkv, Skv, Dv = key.shape[1], key.shape[2], value.shape[-1]
+    q = query.transpose(1, 2).reshape(B * Sq, Hq, D)  # a view for transformers' [B, S, H, D] storage
+    k = key.transpose(1, 2).reshape(B * Skv, Hkv, D)
+    v = value.transpose(1, 2).reshape(B * Skv, Hkv, Dv)
+    starts = torch.arange(B, dtype=torch.int32)
+    cu_k = torch.stack([starts * Skv, starts * Skv + lengths], dim=1).reshape(-1)
+    cu_q = torch.stack([starts * Sq, starts * Sq + Sq], dim=1).reshape(-1)
+    end = torch.tensor([B], dtype=torch.int32)
+    attnkit.varlen_attention(q, k, v, torch.cat([cu_q, end * Sq]), torch.cat([cu_k, end * Skv]), scale=scaling,
+                             out=out.view(B * Sq, Hq, Dv))
 
 
 def register():
