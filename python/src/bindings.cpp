@@ -2,6 +2,7 @@
 // calls the C++ API with the GIL released; every check lives in the op layer (src/ops).
 // Arrays arrive through DLPack/the buffer protocol (numpy, torch) as (array, dtype name)
 // pairs: the Python layer names the element type, since numpy cannot express bf16/fp8.
+// Ops run with the GIL released and, on the main thread, stop at Ctrl-C (run_op).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -54,6 +55,34 @@ std::optional<attnkit::TensorView> to_view(const std::optional<TypedArray>& type
   return to_view(*typed, name);
 }
 
+// Ctrl-C while an op runs with the GIL released: Python's handler cannot run until the call
+// returns, so the op polls (runtime.h, on its calling thread, about every 10 ms) and the poll
+// takes the GIL and runs the pending signal handlers. If one raised (KeyboardInterrupt), the
+// op stops and that exception is raised from the call. Only the main thread runs signal
+// handlers, so calls on other threads install no poll.
+unsigned long main_thread_ident = 0;
+
+bool run_signal_handlers(void*) {
+  nb::gil_scoped_acquire gil;
+  return PyErr_CheckSignals() != 0;  // the exception stays set on this thread until run_op raises it
+}
+
+template <class F>
+void run_op(const F& op) {
+  const bool main_thread = PyThread_get_thread_ident() == main_thread_ident;
+  bool interrupted = false;
+  {
+    nb::gil_scoped_release release;
+    attnkit::ScopedInterruptPoll poll(main_thread ? run_signal_handlers : nullptr, nullptr);
+    try {
+      op();
+    } catch (const attnkit::Interrupted&) {
+      interrupted = true;
+    }
+  }
+  if (interrupted) throw nb::python_error();
+}
+
 attnkit::Layout parse_layout(const std::string& layout) {
   if (layout == "BHSD") return attnkit::Layout::BHSD;
   if (layout == "BSHD") return attnkit::Layout::BSHD;
@@ -82,8 +111,7 @@ void attention(const InArray& q, const InArray& k, const InArray& v, const OutAr
   args.seed = seed;
   args.enable_gqa = enable_gqa;
   args.layout = parse_layout(layout);
-  nb::gil_scoped_release release;
-  attnkit::attention(args);
+  run_op([&] { attnkit::attention(args); });
 }
 
 attnkit::SparseMlaArgs sparse_mla_args(const InArray& q, const InArray& kv, const InArray& indices,
@@ -115,8 +143,7 @@ void sparse_mla(const InArray& q, const InArray& kv, const InArray& indices, dou
                 const OutArray& out, const OutArray& max_logits, const OutArray& lse) {
   const attnkit::SparseMlaArgs args = sparse_mla_args(q, kv, indices, sm_scale, d_v, q_scale, kv_scale, attn_sink,
                                                       topk_length, out, max_logits, lse);
-  nb::gil_scoped_release release;
-  Op(args);
+  run_op([&] { Op(args); });
 }
 
 void sage_attention(const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
@@ -138,8 +165,7 @@ void sage_attention(const InArray& q, const InArray& k, const InArray& v, const 
   } else {
     throw attnkit::Error("mode must be \"int8\" or \"fp4\", got \"" + mode + "\"");
   }
-  nb::gil_scoped_release release;
-  attnkit::sage_attention(args);
+  run_op([&] { attnkit::sage_attention(args); });
 }
 
 void cast(const InArray& src, const OutArray& dst) {
@@ -153,6 +179,7 @@ void cast(const InArray& src, const OutArray& dst) {
 }  // namespace
 
 NB_MODULE(_C, m) {
+  main_thread_ident = nb::cast<unsigned long>(nb::module_::import_("threading").attr("main_thread")().attr("ident"));
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);
