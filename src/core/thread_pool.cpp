@@ -168,19 +168,53 @@ class Pool {
   std::exception_ptr error_;
 };
 
-// One job at a time. Namespace-scope and constant-initialised, so no static-initialisation
-// guard exists that a fork() could catch half-taken.
-std::mutex g_job_mutex;
-std::unique_ptr<Pool> g_pool;       // guarded by g_job_mutex
-std::atomic<int> g_threads{0};      // the requested count; 0 = not yet read from the environment
-bool g_atfork_registered = false;  // guarded by g_job_mutex
+// One job at a time: a job holds the slot (g_busy, under g_slot_mutex). Waiting for it is
+// a condition-variable wait, with a timeout when an interrupt poll is installed so that the
+// wait is interruptible too. Namespace-scope, constant- or load-time-initialised, so no
+// static-initialisation guard exists that a fork() could catch half-taken.
+constinit std::mutex g_slot_mutex;
+std::condition_variable g_slot_free;
+constinit bool g_busy = false;                // guarded by g_slot_mutex
+constinit std::unique_ptr<Pool> g_pool;       // owned by the slot's holder
+constinit std::atomic<int> g_threads{0};      // the requested count; 0 = not yet read from the environment
+constinit bool g_atfork_registered = false;  // owned by the slot's holder
 
-// In a fork() child only the forking thread exists: the workers are gone and the job mutex
-// may be held by a thread that no longer exists. Abandon the pool (destroying it would join
-// threads that are not there) and start from a fresh mutex; the next job builds a new pool.
+class JobSlot {
+ public:
+  JobSlot() {
+    std::unique_lock lock(g_slot_mutex);
+    const auto free = [] { return !g_busy; };
+    if (!t_poll.fn) {
+      g_slot_free.wait(lock, free);
+    } else {
+      while (!g_slot_free.wait_for(lock, PollTimer::kPollInterval, free)) {
+        lock.unlock();  // the poll may take a while (the Python one takes the GIL)
+        if (t_poll.fn(t_poll.context)) throw Interrupted();
+        lock.lock();
+      }
+    }
+    g_busy = true;
+  }
+  ~JobSlot() {
+    {
+      std::lock_guard lock(g_slot_mutex);
+      g_busy = false;
+    }
+    g_slot_free.notify_one();
+  }
+  JobSlot(const JobSlot&) = delete;
+  JobSlot& operator=(const JobSlot&) = delete;
+};
+
+// In a fork() child only the forking thread exists: the workers are gone and the slot may
+// be held (and its mutex locked) by a thread that no longer exists. Abandon the pool
+// (destroying it would join threads that are not there) and start from a fresh slot; the
+// next job builds a new pool.
 void abandon_pool_in_child() {
   (void)g_pool.release();
-  new (&g_job_mutex) std::mutex();
+  new (&g_slot_mutex) std::mutex();
+  new (&g_slot_free) std::condition_variable();
+  g_busy = false;
 }
 
 int requested_threads() {
@@ -201,7 +235,7 @@ void parallel_for(int64_t n, int max_threads, TaskFn fn) {
     return;
   }
   PollTimer poll(t_poll);
-  std::lock_guard lock(g_job_mutex);
+  const JobSlot slot;
   const int threads = requested_threads();
   if (!g_pool || g_pool->threads() != threads) {
     g_pool.reset();

@@ -27,8 +27,8 @@ class TaskFn {
 // workspaces by it. Calls from several host threads at once are serialised; a call made
 // from inside a task (or from an interrupt poll) runs serially on the calling thread.
 // With an interrupt poll installed on the calling thread (runtime.h) the caller polls it
-// between its tasks and, when it asks to stop, no further task starts and Interrupted is
-// thrown once the running ones have finished.
+// while it waits for another host thread's job and between its tasks; when it asks to stop,
+// no further task starts and Interrupted is thrown once the running ones have finished.
 void parallel_for(int64_t n, int max_threads, TaskFn fn);
 // The thread count the next parallel_for uses; never blocks, does not start the pool.
 int num_threads();

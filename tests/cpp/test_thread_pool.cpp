@@ -138,6 +138,36 @@ TEST(ThreadPool, InterruptPollStopsTheJob) {
   set_num_threads(saved);
 }
 
+bool always_stop(void*) { return true; }
+
+// A call waiting for another thread's job stops too (the job ends by itself after 3 s, so
+// that a wait that cannot be interrupted fails the test instead of hanging it).
+TEST(ThreadPool, InterruptPollStopsTheWaitForAnotherJob) {
+  std::atomic<bool> started{false}, release{false}, finished{false};
+  std::thread busy([&] {
+    auto body = [&](int64_t, int) {
+      started.store(true);
+      const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+      while (!release.load() && std::chrono::steady_clock::now() < end) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    };
+    parallel_for(1, 1, body);
+    finished.store(true);
+  });
+  while (!started.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  bool ran = false;
+  auto body = [&](int64_t, int) { ran = true; };
+  {
+    ScopedInterruptPoll poll(always_stop, nullptr);
+    EXPECT_THROW(parallel_for(1, 1, body), Interrupted);
+  }
+  EXPECT_FALSE(finished.load());  // the wait was interrupted, not ended by the other job
+  release.store(true);
+  busy.join();
+  EXPECT_FALSE(ran);
+}
+
 TEST(ThreadPool, NestedCallsRunSerially) {
   std::atomic<int64_t> inner{0};
   auto outer = [&](int64_t, int) {
