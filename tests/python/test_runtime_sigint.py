@@ -15,7 +15,8 @@ import attnkit
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # Sizes a call to take about 4 s here (Sq calibrated on a short call), makes its inputs,
-# prints "ready", then runs it (no Python code that would see SIGINT is left around it).
+# prints "ready", then runs it (no Python code that would see SIGINT is left around it);
+# or ("waiting") runs it on another thread and a short call on the main thread.
 # Prints the CLOCK_MONOTONIC times (comparable across processes on Linux) of the start and
 # the end of the call, then checks a fresh call against the float64 reference.
 CHILD = r"""
@@ -42,6 +43,11 @@ call(queries(96))  # warm-up, then calibration
 q = queries(192)
 t0 = time.monotonic(); call(q); t_cal = time.monotonic() - t0
 q = queries(int(min(192 * 4.0 / t_cal, 400000)))
+if kind == "waiting":  # the long call runs on another thread; this one waits for it
+    import threading
+    threading.Thread(target=call, args=(q,)).start()
+    time.sleep(0.2)
+    q = queries(5)
 out = np.full(q.shape, np.nan, np.float32)
 print("ready", flush=True)
 t0 = time.monotonic()
@@ -57,9 +63,10 @@ print("ok", flush=True)
 """.replace("HERE", repr(HERE))
 
 
-@pytest.mark.parametrize("kind", ["numpy", "torch"])
+@pytest.mark.parametrize("kind", ["numpy", "torch", "waiting"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_sigint_interrupts_a_long_call(kind, threads):
+    """kind "waiting": the main thread's call waits for another thread's long call."""
     if kind == "torch":
         pytest.importorskip("torch")
     proc = subprocess.Popen([sys.executable, "-c", CHILD, kind, str(threads)], stdout=subprocess.PIPE,
