@@ -14,6 +14,9 @@ from .serving import append_kv_cache, paged_attention, varlen_attention
 from .sparse_mla import pad_heads, sparse_mla_prefill_fwd, sparse_mla_q8kv8_prefill_fwd, unpad_heads
 
 __version__ = _C.version()
+# Read ATTNKIT_NUM_THREADS and ATTNKIT_ISA now, so that a bad value is reported at import.
+_C.get_num_threads()
+_C.active_isa()
 
 
 def __getattr__(name):

@@ -4,6 +4,7 @@
 // pairs: the Python layer names the element type, since numpy cannot express bf16/fp8.
 // torch tensors arrive as (address, shape, strides, dtype name) instead: exporting a tensor
 // through DLPack costs microseconds per tensor, a large share of a decode step's call.
+// Ops run with the GIL released and, on the main thread, stop at Ctrl-C (run_op).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -84,6 +85,34 @@ std::optional<attnkit::TensorView> to_view(const std::optional<TypedArray>& type
   return to_view(*typed, name);
 }
 
+// Ctrl-C while an op runs with the GIL released: Python's handler cannot run until the call
+// returns, so the op polls (runtime.h, on its calling thread, about every 10 ms) and the poll
+// takes the GIL and runs the pending signal handlers. If one raised (KeyboardInterrupt), the
+// op stops and that exception is raised from the call. Only the main thread runs signal
+// handlers, so calls on other threads install no poll.
+unsigned long main_thread_ident = 0;
+
+bool run_signal_handlers(void*) {
+  nb::gil_scoped_acquire gil;
+  return PyErr_CheckSignals() != 0;  // the exception stays set on this thread until run_op raises it
+}
+
+template <class F>
+void run_op(const F& op) {
+  const bool main_thread = PyThread_get_thread_ident() == main_thread_ident;
+  bool interrupted = false;
+  {
+    nb::gil_scoped_release release;
+    attnkit::ScopedInterruptPoll poll(main_thread ? run_signal_handlers : nullptr, nullptr);
+    try {
+      op();
+    } catch (const attnkit::Interrupted&) {
+      interrupted = true;
+    }
+  }
+  if (interrupted) throw nb::python_error();
+}
+
 attnkit::Layout parse_layout(const std::string& layout) {
   if (layout == "BHSD") return attnkit::Layout::BHSD;
   if (layout == "BSHD") return attnkit::Layout::BSHD;
@@ -112,8 +141,7 @@ void attention(const InArray& q, const InArray& k, const InArray& v, const OutAr
   args.seed = seed;
   args.enable_gqa = enable_gqa;
   args.layout = parse_layout(layout);
-  nb::gil_scoped_release release;
-  attnkit::attention(args);
+  run_op([&] { attnkit::attention(args); });
 }
 
 attnkit::SparseMlaArgs sparse_mla_args(const InArray& q, const InArray& kv, const InArray& indices,
@@ -145,8 +173,7 @@ void sparse_mla(const InArray& q, const InArray& kv, const InArray& indices, dou
                 const OutArray& out, const OutArray& max_logits, const OutArray& lse) {
   const attnkit::SparseMlaArgs args = sparse_mla_args(q, kv, indices, sm_scale, d_v, q_scale, kv_scale, attn_sink,
                                                       topk_length, out, max_logits, lse);
-  nb::gil_scoped_release release;
-  Op(args);
+  run_op([&] { Op(args); });
 }
 
 void sage_attention(const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
@@ -168,8 +195,7 @@ void sage_attention(const InArray& q, const InArray& k, const InArray& v, const 
   } else {
     throw attnkit::Error("mode must be \"int8\" or \"fp4\", got \"" + mode + "\"");
   }
-  nb::gil_scoped_release release;
-  attnkit::sage_attention(args);
+  run_op([&] { attnkit::sage_attention(args); });
 }
 
 void varlen_attention(const InArray& q, const InArray& k, const InArray& v, const InArray& cu_seqlens_q,
@@ -188,8 +214,7 @@ void varlen_attention(const InArray& q, const InArray& k, const InArray& v, cons
   args.max_seqlen_k = max_seqlen_k;
   args.causal = causal;
   args.scale = scale;
-  nb::gil_scoped_release release;
-  attnkit::varlen_attention(args);
+  run_op([&] { attnkit::varlen_attention(args); });
 }
 
 void paged_attention(const InArray& q, const InArray& k_cache, const InArray& v_cache, const InArray& block_table,
@@ -209,8 +234,7 @@ void paged_attention(const InArray& q, const InArray& k_cache, const InArray& v_
   args.v_scale = to_view(v_scale, "v_scale");
   args.causal = causal;
   args.scale = scale;
-  nb::gil_scoped_release release;
-  attnkit::paged_attention(args);
+  run_op([&] { attnkit::paged_attention(args); });
 }
 
 void append_kv_cache(const InArray& k, const InArray& v, const OutArray& k_cache, const OutArray& v_cache,
@@ -224,8 +248,7 @@ void append_kv_cache(const InArray& k, const InArray& v, const OutArray& k_cache
   args.slot_mapping = to_view(slot_mapping, "slot_mapping");
   args.k_scale = to_view(k_scale, "k_scale");
   args.v_scale = to_view(v_scale, "v_scale");
-  nb::gil_scoped_release release;
-  attnkit::append_kv_cache(args);
+  run_op([&] { attnkit::append_kv_cache(args); });
 }
 
 void cast(const InArray& src, const OutArray& dst) {
@@ -245,13 +268,13 @@ void merge_attention_states(const InArray& out_a, const InArray& lse_a, const In
   args.lse_b = to_view(lse_b, "lse_b");
   args.out = to_view(out, "out");
   args.lse_out = to_view(lse_out, "lse_out");
-  nb::gil_scoped_release release;
-  attnkit::merge_attention_states(args);
+  run_op([&] { attnkit::merge_attention_states(args); });
 }
 
 }  // namespace
 
 NB_MODULE(_C, m) {
+  main_thread_ident = nb::cast<unsigned long>(nb::module_::import_("threading").attr("main_thread")().attr("ident"));
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);
