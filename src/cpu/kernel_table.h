@@ -8,6 +8,10 @@
 namespace attnkit {
 struct AttentionParams;
 struct SparseMlaParams;
+struct MlaDecodeParams;
+struct V32QuantizeParams;
+struct IndexerParams;
+struct TopkParams;
 }
 
 namespace attnkit::cpu {
@@ -17,6 +21,10 @@ struct KernelTable {
   void (*attention_fwd)(const AttentionParams& params);
   void (*sparse_mla_fwd)(const SparseMlaParams& params);
   void (*sage_int8_fwd)(const AttentionParams& params);
+  void (*mla_decode_fwd)(const MlaDecodeParams& params);
+  void (*v32_quantize)(const V32QuantizeParams& params);
+  void (*indexer_logits)(const IndexerParams& params);
+  void (*topk_select)(const TopkParams& params);
 };
 
 // Loops the benchmark uses to measure the machine (src/cpu/machine_probe.cpp).
