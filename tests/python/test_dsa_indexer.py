@@ -298,3 +298,17 @@ def test_topk_errors():
     for fn, msg in cases:
         with pytest.raises(ValueError, match=msg):
             fn()
+
+
+def test_each_isa(isa):
+    rng = np.random.default_rng(21)
+    ks, ke, S = causal_ranges(rng, [5, 2], [300, 100])
+    T, H, D_ = len(ks), 43, 128
+    q, kv = fp8(rng, (T, H, D_)), fp8(rng, (S, D_))
+    kv_scale = rng.uniform(0.01, 0.1, S).astype(np.float32)
+    w = rng.standard_normal((T, H)).astype(np.float32)
+    got = dsa.fp8_mqa_logits(q, (kv, kv_scale), w, ks, ke)
+    ref, mag, inside = D.mqa_logits_ref(q, kv, kv_scale, w, ks, ke)
+    check_logits(got, ref, mag, inside, True)
+    assert np.array_equal(dsa.fp8_mqa_topk(q, (kv, kv_scale), w, ks, ke, 50),
+                          D.topk_ref(got, ke - ks, 50, ks))
