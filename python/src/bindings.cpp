@@ -275,4 +275,6 @@ NB_MODULE(_C, m) {
         "block_table"_a, "max_context_len"_a, "clean_logits"_a, "logits"_a);
   m.def("topk_transform", &topk_transform, "logits"_a, "lengths"_a, "topk"_a, "row_starts"_a.none(),
         "offsets"_a.none(), "page_table"_a.none(), "page_size"_a, "row_to_batch"_a.none(), "out"_a);
+  m.def("measure_bf16_dot_peak_gflops", &attnkit::measure_bf16_dot_peak_gflops, "threads"_a,
+        nb::call_guard<nb::gil_scoped_release>());
 }

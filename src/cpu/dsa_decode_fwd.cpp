@@ -1,7 +1,8 @@
 // MLA decode on the CPU over a paged cache, sparse (FlashMLA's indices) or dense (a block
 // table): new row sources for the shared sparse MLA tile loop (sparse_mla_tile.h). A row is
 // either a 656-byte V3.2 fp8 token (dequantised to bf16 as FlashMLA does: fp8 · tile scale,
-// rounded to bf16, exact for power-of-two scales) or a bf16 row. Also the V3.2 quantiser.
+// rounded to bf16, exact for power-of-two scales) or a bf16 row. As in FlashMLA, P·V runs in
+// bf16 too where vdpbf16ps exists (P rounded to bf16). Also the V3.2 quantiser.
 // Compiled per ISA.
 #include <algorithm>
 #include <cmath>
@@ -16,13 +17,12 @@
 namespace attnkit::cpu::ATTNKIT_ISA {
 namespace {
 
-using sparse_tile::bf16_bits;
-using sparse_tile::kBf16Dot;
 
 // Slots are element offsets of a row in the cache (bytes for fp8, bf16 elements else).
 class PagedRows {
  public:
   using Slot = int64_t;
+  static constexpr bool kBf16PV = true;  // FlashMLA's bf16 MMAs: P rounded to bf16 for P·V
   explicit PagedRows(const MlaDecodeParams& p) : p_(p), capacity(p.max_rows) {}
 
   const void* q_row(int64_t s) const {
@@ -55,13 +55,12 @@ class PagedRows {
   void load(int64_t slot, float* dst, uint16_t* bf16) const {
     if (p_.v32_fp8) return load_v32(static_cast<const uint8_t*>(p_.cache) + slot, dst, bf16);
     const uint16_t* src = static_cast<const uint16_t*>(p_.cache) + slot;
-    load_row<DType::bfloat16>(src, p_.dim_stride, p_.tile.d_qk, 1.0f, dst);
-    if constexpr (kBf16Dot) {
-      if (p_.dim_stride == 1) {
-        std::memcpy(bf16, src, sizeof(uint16_t) * p_.tile.d_qk);
-      } else {
-        for (int64_t d = 0; d < p_.tile.d_qk; ++d) bf16[d] = static_cast<uint16_t>(bf16_bits(dst[d]));
-      }
+    if (dst) load_row<DType::bfloat16>(src, p_.dim_stride, p_.tile.d_qk, 1.0f, dst);
+    if (!bf16) return;
+    if (p_.dim_stride == 1) {
+      std::memcpy(bf16, src, sizeof(uint16_t) * p_.tile.d_qk);
+    } else {
+      for (int64_t d = 0; d < p_.tile.d_qk; ++d) bf16[d] = src[d * p_.dim_stride];
     }
   }
 
@@ -79,7 +78,7 @@ class PagedRows {
       const vfloat scale = vbroadcast(scales[tile]);
       for (int64_t i = tile * kV32Tile; i < (tile + 1) * kV32Tile; i += kLanes) {
         const vuint bits = round_to_bf16_bits(vload_as_float<DType::float8_e4m3fn>(token + i) * scale, kBf16QuietNan);
-        vstore(dst + i, (vfloat)(bits << 16));
+        if (dst) vstore(dst + i, (vfloat)(bits << 16));
         if (bf16) {
           const vhalf h = __builtin_convertvector(bits, vhalf);
           std::memcpy(bf16 + i, &h, sizeof h);
@@ -89,7 +88,7 @@ class PagedRows {
     const uint8_t* rope = token + kV32Nope + kV32Tiles * 4;
     uint16_t rope_bits[kV32Rope];
     std::memcpy(rope_bits, rope, sizeof rope_bits);  // 2-byte aligned only by the caller's layout
-    load_row<DType::bfloat16>(rope_bits, 1, kV32Rope, 1.0f, dst + kV32Nope);
+    if (dst) load_row<DType::bfloat16>(rope_bits, 1, kV32Rope, 1.0f, dst + kV32Nope);
     if (bf16) std::memcpy(bf16 + kV32Nope, rope_bits, sizeof rope_bits);
   }
 };

@@ -32,6 +32,9 @@ struct ProbeTable {
   float (*fma_loop)(int64_t iters);              // iters * flops_per_iter fp32 flops
   float (*read_sum)(const float* data, int64_t n);
   int64_t flops_per_iter;
+  // vdpbf16ps chains (avx512bf16 only, else null): iters * bf16_dot_flops_per_iter flops
+  float (*bf16_dot_loop)(int64_t iters);
+  int64_t bf16_dot_flops_per_iter;
 };
 
 #define ATTNKIT_DECLARE_ISA(isa)            \

@@ -18,6 +18,7 @@ template <DType T>
 struct FlatRows {
   using E = typename Elem<T>::type;
   using Slot = int32_t;
+  static constexpr bool kBf16PV = false;  // the prefill keeps P in fp32
   const SparseMlaParams& p;
   int64_t capacity = p.topk;
 

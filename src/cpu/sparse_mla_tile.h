@@ -10,7 +10,12 @@
 // list() writes), list(s, slots) -> the valid rows of query row s in order, q_row(s) -> the
 // base of q row s (heads by q_stride[1], columns by q_stride[2]), and load(slot, dst, bf16):
 // the row's d_qk values dequantised into dst and, when bf16 is not null, the same values as
-// bf16 (they must be exact in bf16 there).
+// bf16 (they must be exact in bf16 there); with Rows::kBf16PV, dst is null on the bf16-dot
+// path (P·V then reads V from the bf16 rows too).
+//
+// Rows::kBf16PV (decode, FlashMLA's numerics): on avx512bf16, P·V also runs on vdpbf16ps, with
+// P rounded to bf16 and the tile's V rows paired along keys; l stays the sum of the unrounded
+// P. The prefill keeps P in fp32.
 #pragma once
 
 #include <cmath>
@@ -58,6 +63,7 @@ struct Plan {
                        + kSlotTile * rows_pad  // Sᵀ, then Pᵀ
                        + kSlotTile * d_pad     // gathered, dequantised kv rows
                        + (kBf16Dot ? kSlotTile * d_pairs : 0)  // the same rows as bf16 pairs
+                       + (kBf16Dot ? kSlotTile / 2 * dv_pad : 0)  // V paired along keys (kBf16PV)
                        + 3 * rows_pad;         // running max, sum, rescale factors
   }
 };
@@ -74,6 +80,7 @@ template <DType TQ, class Rows>
 class SparseMlaTask {
   using E = typename Elem<TQ>::type;
   using Slot = typename Rows::Slot;
+  static constexpr bool kBf16PV = kBf16Dot && Rows::kBf16PV;
 
  public:
   SparseMlaTask(const SparseMlaParams& p, const Plan& plan, const Rows& rows) : p_(p), plan_(plan), rows_(rows) {}
@@ -91,6 +98,7 @@ class SparseMlaTask {
     float* l = m + ld;
     float* alpha = l + ld;
     uint32_t* kv_pairs = reinterpret_cast<uint32_t*>(alpha + ld);
+    uint32_t* v_pairs = kv_pairs + kSlotTile * plan_.d_pairs;
 
     const int64_t n_valid = rows_.list(s, slots);
     pack_qt(s, h0, nh, qt, kv);  // the kv tile is free until the first gather
@@ -111,6 +119,21 @@ class SparseMlaTask {
       for (int64_t r = 0; r < nh; ++r) {
         if (alpha[r] != 1.0f) scale_row(o + r * plan_.dv_pad, plan_.dv_pad, alpha[r]);
       }
+#if defined(ATTNKIT_ISA_avx512bf16)
+      if constexpr (kBf16PV) {  // O += P · V on bf16 pairs of keys
+        uint32_t* p_pairs = reinterpret_cast<uint32_t*>(st);
+        pair_rows_bf16(st, bc, ld, p_pairs);
+        const uint16_t* v = reinterpret_cast<const uint16_t*>(kv_pairs);
+        const int64_t row = 2 * plan_.d_pairs;
+        for (int64_t k = 0; k < (bc + 1) / 2; ++k) {
+          interleave_bf16_rows(v + 2 * k * row, 2 * k + 1 < bc ? v + (2 * k + 1) * row : nullptr, 1, p_.d_v,
+                               plan_.dv_pad, v_pairs + k * plan_.dv_pad);
+        }
+        gemm_bf16<kTallRows, kTallVecs>(nh, plan_.dv_pad, (bc + 1) / 2, p_pairs, 1, ld, v_pairs, plan_.dv_pad, o,
+                                        plan_.dv_pad, true);
+        continue;
+      }
+#endif
       gemm<kTallRows, kTallVecs>(nh, plan_.dv_pad, bc, st, 1, ld, kv, plan_.d_pad, o, plan_.dv_pad,
                                  true);  // O += P · V
     }
@@ -146,8 +169,12 @@ class SparseMlaTask {
     for (int64_t j = 0; j < n; ++j) {
       float* dst = kv + j * plan_.d_pad;
       uint16_t* pairs = kBf16Dot ? reinterpret_cast<uint16_t*>(kv_pairs + j * plan_.d_pairs) : nullptr;
-      rows_.load(slots[j], dst, pairs);
-      for (int64_t d = p_.d_qk; d < plan_.d_pad; ++d) dst[d] = 0.0f;
+      if constexpr (kBf16PV) {
+        rows_.load(slots[j], nullptr, pairs);
+      } else {
+        rows_.load(slots[j], dst, pairs);
+        for (int64_t d = p_.d_qk; d < plan_.d_pad; ++d) dst[d] = 0.0f;
+      }
       if (kBf16Dot && p_.d_qk % 2) pairs[p_.d_qk] = 0;
     }
   }

@@ -65,13 +65,16 @@ def rows_used(b, i, s_q, page, num_blocks, indices=None, topk_length=None, block
 
 def mla_decode_ref(q, k_cache, head_dim_v, softmax_scale=None, is_fp8=False, indices=None,
                    topk_length=None, block_table=None, cache_seqlens=None, causal=False, attn_sink=None):
-    """(out [b, s_q, h_q, d_v], lse [b, h_q, s_q]) in float64; only the rows used are read."""
+    """(out [b, s_q, h_q, d_v], lse [b, h_q, s_q], pv_abs [b, s_q, h_q, d_v]) in float64; only
+    the rows used are read. pv_abs = Σ p·|V| / denominator, the scale of the bf16 rounding of
+    P that the kernel (as FlashMLA) applies before P·V."""
     qf = f64(q)
     b, s_q, h_q, d_qk = qf.shape
     cache = to_np(k_cache)
     num_blocks, page = cache.shape[0], cache.shape[1]
     scale = d_qk ** -0.5 if softmax_scale is None else float(np.float32(softmax_scale))
     out = np.zeros((b, s_q, h_q, head_dim_v))
+    pv_abs = np.zeros_like(out)
     lse = np.full((b, s_q, h_q), np.inf)
     sink = None if attn_sink is None else f64(attn_sink)
     for bi in range(b):
@@ -90,7 +93,8 @@ def mla_decode_ref(q, k_cache, head_dim_v, softmax_scale=None, is_fp8=False, ind
             if sink is not None:
                 denom = denom + np.exp(sink - m[:, 0])
             out[bi, i] = p @ kv[:, :head_dim_v] / denom[:, None]
-    return out, lse.transpose(0, 2, 1)
+            pv_abs[bi, i] = p @ np.abs(kv[:, :head_dim_v]) / denom[:, None]
+    return out, lse.transpose(0, 2, 1), pv_abs
 
 
 def logit_magnitude(q, k_cache, is_fp8, used_rows_fn, softmax_scale):
@@ -112,7 +116,10 @@ def logit_magnitude(q, k_cache, is_fp8, used_rows_fn, softmax_scale):
 # Tolerances (|got - ref| <= atol + rtol·|ref|, against float64 on the exact inputs), the
 # sparse MLA prefill's (derived in sparse_mla_reference.py): out bf16 rtol 1e-2 + atol
 # 1e-4·max|V| of the used rows; lse float32 1e-5 relative + 1e-5·(logit magnitude + 1).
+# On avx512bf16 the decode rounds P to bf16 before P·V (FlashMLA does the same): each p gains a
+# relative error <= 2^-9, so out gains <= 2^-9·Σp|V|/denominator; PV_ROUNDING = 2^-8 doubles it.
 OUT_RTOL, OUT_ATOL_PER_V = 1e-2, 1e-4
+PV_ROUNDING = 2.0 ** -8
 LSE_RTOL, LSE_ATOL = 1e-5, 1e-5
 
 
