@@ -35,7 +35,7 @@ namespace attnkit::cpu::ATTNKIT_ISA::sparse_tile {
 
 constexpr int64_t kSlotTile = 64;   // gathered kv rows per tile
 constexpr int64_t kHeadBlock = 128; // heads per task (all of DeepSeek-V3.2's per rank)
-constexpr int64_t kMinTasks = 16;   // fewer (query, head block) tasks than this: smaller blocks
+constexpr int64_t kTasksPerThread = 2;  // fewer (query, head block) tasks: smaller head blocks
 // On avx512bf16, Sᵀ = KV · Qᵀ runs on bf16 pairs with vdpbf16ps: bf16 and fp8 values are
 // exact in bf16, so the products are exact and only the fp32 summation order changes.
 #if defined(ATTNKIT_ISA_avx512bf16)
@@ -47,11 +47,13 @@ constexpr bool kBf16Dot = false;
 struct Plan {
   int64_t head_block, head_blocks, tasks, rows_pad, d_pad, dv_pad, d_pairs, workspace_floats;
 
-  explicit Plan(const SparseMlaParams& p) {
+  Plan(const SparseMlaParams& p, int threads) {
     head_block = p.h_q < kHeadBlock ? p.h_q : kHeadBlock;
-    // Few queries (decode): smaller head blocks keep the threads busy; each head's numbers
-    // do not depend on the blocking, so results stay bit-identical.
-    while (head_block > 16 && p.s_q * ((p.h_q + head_block - 1) / head_block) < kMinTasks) head_block /= 2;
+    // Few queries (decode): smaller head blocks keep the threads busy, but no smaller than
+    // needed (each block regathers the row's kv tiles, and narrow Qᵀ tiles run slower); each
+    // head's numbers do not depend on the blocking, so results stay bit-identical.
+    const int64_t min_tasks = kTasksPerThread * threads;
+    while (head_block > 16 && p.s_q * ((p.h_q + head_block - 1) / head_block) < min_tasks) head_block /= 2;
     head_blocks = (p.h_q + head_block - 1) / head_block;
     tasks = p.s_q * head_blocks;
     rows_pad = round_up(head_block, kLanes);
@@ -215,7 +217,7 @@ class SparseMlaTask {
 template <DType TQ, class Rows>
 void run(const SparseMlaParams& p, const Rows& rows) {
   const int threads = detail::num_threads();
-  const Plan plan(p);
+  const Plan plan(p, threads);
   AlignedBuffer<float> workspace(plan.workspace_floats * threads);
   AlignedBuffer<typename Rows::Slot> slots(rows.capacity * threads);
   const SparseMlaTask<TQ, Rows> task(p, plan, rows);
