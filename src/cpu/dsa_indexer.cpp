@@ -50,7 +50,7 @@ inline bool selectable(float v) { return v > -INFINITY; }  // false for -inf and
 // are kept and the k-th becomes the bar a new candidate must pass.
 class StreamingTopk {
  public:
-  explicit StreamingTopk(int64_t k) : k_(k), bar_(UINT64_MAX) { keys_.reserve(2 * k); }
+  explicit StreamingTopk(int64_t k) : k_(k), bar_(UINT64_MAX) { keys_.reserve(std::min<int64_t>(2 * k, 4096)); }
   void push(float v, uint32_t index) {
     if (!selectable(v)) return;
     const uint64_t key = order_key(v, index);

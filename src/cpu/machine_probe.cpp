@@ -58,7 +58,7 @@ float bf16_dot_loop(int64_t iters) {
   }
   __m512 sum = _mm512_setzero_ps();
   for (int c = 0; c < kChains; ++c) sum = _mm512_add_ps(sum, acc[c]);
-  return _mm512_reduce_add_ps(sum);
+  return hsum((vfloat)sum);
 }
 constexpr auto kBf16DotLoop = &bf16_dot_loop;
 constexpr int64_t kBf16DotFlops = kChains * 32 * 2;

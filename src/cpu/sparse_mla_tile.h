@@ -100,7 +100,6 @@ class SparseMlaTask {
     float* l = m + ld;
     float* alpha = l + ld;
     uint32_t* kv_pairs = reinterpret_cast<uint32_t*>(alpha + ld);
-    uint32_t* v_pairs = kv_pairs + kSlotTile * plan_.d_pairs;
 
     const int64_t n_valid = rows_.list(s, slots);
     pack_qt(s, h0, nh, qt, kv);  // the kv tile is free until the first gather
@@ -124,6 +123,7 @@ class SparseMlaTask {
 #if defined(ATTNKIT_ISA_avx512bf16)
       if constexpr (kBf16PV) {  // O += P · V on bf16 pairs of keys
         uint32_t* p_pairs = reinterpret_cast<uint32_t*>(st);
+        uint32_t* v_pairs = kv_pairs + kSlotTile * plan_.d_pairs;
         pair_rows_bf16(st, bc, ld, p_pairs);
         const uint16_t* v = reinterpret_cast<const uint16_t*>(kv_pairs);
         const int64_t row = 2 * plan_.d_pairs;
