@@ -297,6 +297,31 @@ class Indexer {
   std::vector<RowBlock> blocks_;
 };
 
+// The keys of a row's selectable values that may be among its k best: a histogram of the
+// keys' top kBinBits bits finds the bin holding the k-th best, and only keys in it or better
+// bins are kept (a superset of the top k: exact, and far fewer than the row on real logits).
+constexpr int kBinBits = 11;
+void select_candidates(const float* row, int64_t stride, int64_t len, int64_t k, std::vector<uint64_t>& keys) {
+  auto key_of = [&](int64_t t) { return order_key(row[t * stride], static_cast<uint32_t>(t)); };
+  int64_t selectable_count = 0, last_bin = (1 << kBinBits) - 1;
+  if (len > 4 * k) {
+    std::vector<int64_t> hist(size_t{1} << kBinBits, 0);
+    for (int64_t t = 0; t < len; ++t) {
+      if (selectable(row[t * stride])) ++hist[key_of(t) >> (64 - kBinBits)], ++selectable_count;
+    }
+    int64_t seen = 0;
+    for (last_bin = 0; last_bin < (1 << kBinBits) - 1 && seen + hist[last_bin] < k; ++last_bin) seen += hist[last_bin];
+    keys.reserve(static_cast<size_t>(std::min(selectable_count, seen + hist[last_bin])));
+  } else {
+    keys.reserve(len);
+  }
+  for (int64_t t = 0; t < len; ++t) {
+    if (!selectable(row[t * stride])) continue;
+    const uint64_t key = key_of(t);
+    if (static_cast<int64_t>(key >> (64 - kBinBits)) <= last_bin) keys.push_back(key);
+  }
+}
+
 }  // namespace
 
 void indexer_logits(const IndexerParams& p) { Indexer(p).run(); }
@@ -308,11 +333,7 @@ void topk_select(const TopkParams& p) {
     const int64_t start = p.starts ? p.starts[r * p.starts_stride] : 0;
     const float* row = p.logits + r * p.logits_stride[0] + start * p.logits_stride[1];
     std::vector<uint64_t> keys;
-    keys.reserve(len);
-    for (int64_t t = 0; t < len; ++t) {
-      const float v = row[t * p.logits_stride[1]];
-      if (selectable(v)) keys.push_back(order_key(v, static_cast<uint32_t>(t)));
-    }
+    select_candidates(row, p.logits_stride[1], len, p.topk, keys);
     const int64_t n = std::min<int64_t>(p.topk, keys.size());
     if (n < static_cast<int64_t>(keys.size())) std::nth_element(keys.begin(), keys.begin() + n, keys.end());
     std::sort(keys.begin(), keys.begin() + n);
