@@ -25,7 +25,7 @@ namespace attnkit::cpu::ATTNKIT_ISA {
 namespace {
 
 constexpr int64_t kKeyTile = 64;      // keys per Sᵀ tile
-constexpr int64_t kKeyChunk = 2048;   // keys per task when logits are written
+constexpr int64_t kKeyChunk = 8192;   // keys per task when logits are written (amortises packing Qᵀ)
 constexpr int64_t kBlockColumns = 128;  // rows · padded heads per task (Qᵀ columns)
 #if defined(ATTNKIT_ISA_avx512bf16)
 constexpr bool kBf16Dot = true;
@@ -300,25 +300,55 @@ class Indexer {
 // The keys of a row's selectable values that may be among its k best: a histogram of the
 // keys' top kBinBits bits finds the bin holding the k-th best, and only keys in it or better
 // bins are kept (a superset of the top k: exact, and far fewer than the row on real logits).
+// Bins are computed kLanes values at a time (-inf and NaN go to a bin past the last).
 constexpr int kBinBits = 11;
+constexpr uint32_t kNoBin = 1u << kBinBits;
+
+inline vuint bins_of(vfloat v) {
+  v = v == 0.0f ? vfloat{} : v;                                   // -0 -> +0
+  const vuint u = (vuint)v;
+  const vuint ordered = (u >> 31) != 0 ? ~u : (u | 0x80000000u);  // as order_key
+  const vuint bin = ~ordered >> (32 - kBinBits);
+  return v > -INFINITY ? bin : vuint{} + kNoBin;
+}
+
 void select_candidates(const float* row, int64_t stride, int64_t len, int64_t k, std::vector<uint64_t>& keys) {
-  auto key_of = [&](int64_t t) { return order_key(row[t * stride], static_cast<uint32_t>(t)); };
-  int64_t selectable_count = 0, last_bin = (1 << kBinBits) - 1;
+  auto bin_at = [&](int64_t t) {
+    const float v = row[t * stride];
+    return selectable(v) ? static_cast<uint32_t>(order_key(v, 0) >> (64 - kBinBits)) : kNoBin;
+  };
+  uint32_t last_bin = kNoBin - 1;
   if (len > 4 * k) {
-    std::vector<int64_t> hist(size_t{1} << kBinBits, 0);
-    for (int64_t t = 0; t < len; ++t) {
-      if (selectable(row[t * stride])) ++hist[key_of(t) >> (64 - kBinBits)], ++selectable_count;
+    std::vector<int64_t> hist(kNoBin + 1, 0);
+    int64_t t = 0;
+    if (stride == 1) {
+      for (; t + kLanes <= len; t += kLanes) {
+        const vuint bins = bins_of(vload(row + t));
+        for (int i = 0; i < kLanes; ++i) ++hist[bins[i]];
+      }
     }
+    for (; t < len; ++t) ++hist[bin_at(t)];
     int64_t seen = 0;
-    for (last_bin = 0; last_bin < (1 << kBinBits) - 1 && seen + hist[last_bin] < k; ++last_bin) seen += hist[last_bin];
-    keys.reserve(static_cast<size_t>(std::min(selectable_count, seen + hist[last_bin])));
+    for (last_bin = 0; last_bin < kNoBin - 1 && seen + hist[last_bin] < k; ++last_bin) seen += hist[last_bin];
+    keys.reserve(static_cast<size_t>(seen + hist[last_bin]));
   } else {
     keys.reserve(len);
   }
-  for (int64_t t = 0; t < len; ++t) {
-    if (!selectable(row[t * stride])) continue;
-    const uint64_t key = key_of(t);
-    if (static_cast<int64_t>(key >> (64 - kBinBits)) <= last_bin) keys.push_back(key);
+  int64_t t = 0;
+  if (stride == 1) {
+    const vuint bar = vuint{} + last_bin;
+    for (; t + kLanes <= len; t += kLanes) {
+      const vint pass = (vint)(bins_of(vload(row + t)) <= bar);
+      bool any = false;
+      for (int i = 0; i < kLanes; ++i) any |= pass[i] != 0;
+      if (!any) continue;
+      for (int i = 0; i < kLanes; ++i) {
+        if (pass[i]) keys.push_back(order_key(row[t + i], static_cast<uint32_t>(t + i)));
+      }
+    }
+  }
+  for (; t < len; ++t) {
+    if (bin_at(t) <= last_bin) keys.push_back(order_key(row[t * stride], static_cast<uint32_t>(t)));
   }
 }
 

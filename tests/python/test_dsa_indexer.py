@@ -312,6 +312,11 @@ def test_each_isa(isa):
     check_logits(got, ref, mag, inside, True)
     assert np.array_equal(dsa.fp8_mqa_topk(q, (kv, kv_scale), w, ks, ke, 50),
                           D.topk_ref(got, ke - ks, 50, ks))
+    lg = rng.standard_normal((2, 20001)).astype(np.float32)   # the vector histogram pass
+    lg[1, ::7] = -0.0
+    lg[1, 3::7] = np.nan
+    lens = np.array([20001, 19999], np.int32)
+    assert np.array_equal(dsa.topk(lg, lens, 300), D.topk_ref(lg, lens, 300))
 
 
 def test_topk_long_rows():
