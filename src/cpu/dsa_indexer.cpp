@@ -222,7 +222,7 @@ class Indexer {
   template <class Emit>
   void tile_logits(int64_t n, const Scratch& s, int64_t nr, Emit emit) const {
 #if defined(ATTNKIT_ISA_avx512bf16)
-    gemm_bf16<kWideRows, kTallVecs>(n, cols_, d_pairs_, reinterpret_cast<const uint32_t*>(s.kt), d_pairs_, 1,
+    gemm_bf16<kTallRows, kTallVecs>(n, cols_, d_pairs_, reinterpret_cast<const uint32_t*>(s.kt), d_pairs_, 1,
                                     reinterpret_cast<const uint32_t*>(s.qt), cols_, s.st, cols_, false);
 #else
     gemm<kWideRows, kTallVecs>(n, cols_, p_.d, s.kt, p_.d, 1, s.qt, cols_, s.st, cols_, false);
