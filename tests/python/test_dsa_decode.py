@@ -377,3 +377,14 @@ def test_each_isa(isa):
     check(out, lse, ref, vmax, mag)
     d = DenseCase(rng, 2, 2, 16, 64, 150, causal=True)
     d.check(*d.run())
+
+
+def test_out_must_not_alias_inputs():
+    rng = np.random.default_rng(11)
+    c = SparseCase(rng, 2, 1, 16, 100, 64, 16)
+    buf = np.zeros(2 * 16 * 576 * 2, R.bf16_dtype())
+    q = buf[:2 * 16 * 576].reshape(2, 1, 16, 576)
+    q[...] = c.q
+    with pytest.raises(ValueError, match="out must not alias q"):
+        dsa.flash_mla_with_kvcache(q, c.cache, None, None, 512, is_fp8_kvcache=True, indices=c.indices,
+                                   out=buf[1000:1000 + 2 * 16 * 512].reshape(2, 1, 16, 512))

@@ -329,3 +329,35 @@ def test_topk_long_rows():
     lengths = np.array([65536, 65536, 65536, 40000], np.int32)
     for k in (1, 2048, 9000):
         assert np.array_equal(dsa.topk(logits, lengths, k), D.topk_ref(logits, lengths, k)), k
+
+
+def test_outputs_must_not_alias_inputs():
+    rng = np.random.default_rng(19)
+    T, H, S = 4, 8, 16
+    buf = np.zeros(T * S, np.float32)
+    w = buf[:T * H].reshape(T, H)
+    q, kv = fp8(rng, (T, H, 64)), fp8(rng, (S, 64))
+    ks, ke = np.zeros(T, np.int32), np.full(T, S, np.int32)
+    with pytest.raises(ValueError, match="logits must not alias weights"):
+        dsa.fp8_mqa_logits(q, (kv, np.ones(S, np.float32)), w, ks, ke, out=buf.reshape(T, S))
+    ints = np.full(20, 3, np.int32)
+    with pytest.raises(ValueError, match="out must not alias lengths"):
+        dsa.topk(np.zeros((4, 10), np.float32), ints[:4], 4, out=ints[2:18].reshape(4, 4))
+
+
+def test_torch_opcheck_indexer_and_topk():
+    import attnkit._torch_dsa  # noqa: F401
+    rng = np.random.default_rng(20)
+    T, H, S = 3, 8, 40
+    q, kv = tt(fp8(rng, (T, H, 64))), tt(fp8(rng, (S, 64)))
+    sc, w = torch.rand(S), torch.randn(T, H)
+    ks, ke = torch.zeros(T, dtype=torch.int32), torch.full((T,), S, dtype=torch.int32)
+    # test_schema compares inputs with float ops torch lacks for float8 tensors: the rest only
+    fp8_utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.attnkit.fp8_mqa_logits, (q, kv, sc, w, ks, ke, True, 0, torch.empty(T, S)),
+                          test_utils=fp8_utils)
+    torch.library.opcheck(torch.ops.attnkit.fp8_mqa_topk, (q, kv, sc, w, ks, ke, torch.empty(T, 7, dtype=torch.int32)),
+                          test_utils=fp8_utils)
+    torch.library.opcheck(torch.ops.attnkit.topk_transform,
+                          (torch.randn(T, S), torch.full((T,), S, dtype=torch.int32), 5, None, None, None, 1, None,
+                           torch.empty(T, 5, dtype=torch.int32)))
