@@ -6,6 +6,7 @@ torch tensors, taken without copies; outputs come back in the input's kind.
 """
 
 from . import _C
+from . import dsa  # noqa: F401  (attnkit.dsa: DeepSeek sparse attention decode, indexer, top-k)
 from .ops import attention
 from .sage import sage_attention
 from .sparse_mla import pad_heads, sparse_mla_prefill_fwd, sparse_mla_q8kv8_prefill_fwd, unpad_heads

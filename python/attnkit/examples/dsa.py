@@ -57,16 +57,19 @@ class Layer:
         self.w_qidx, self.w_kidx, self.w_wts = f(HIDDEN, IDX_HEADS * IDX_DIM), f(HIDDEN, IDX_DIM), f(HIDDEN, IDX_HEADS)
         self.w_q, self.w_kv = f(HIDDEN, heads * D_QK), f(HIDDEN, D_QK)
 
-    def project(self, x):
-        """For tokens x [n, HIDDEN]: indexer q fp8 [n, 64, 128] (scale folded into the
-        weights, as SGLang does), weights [n, 64], index k [n, 128] float32, MLA q bf16
-        [n, heads, 576], latent kv [n, 576] float32."""
+    def queries(self, x):
+        """For tokens x [n, HIDDEN]: indexer q fp8 [n, 64, 128] (its scale folded into the
+        weights, as SGLang does), weights [n, 64] float32, MLA q bf16 [n, heads, 576]."""
         n = x.shape[0]
         qi = (x @ self.w_qidx).reshape(n, IDX_HEADS, IDX_DIM)
         qi_fp8, qi_scale = fp8_quant_rows(qi)
         weights = (x @ self.w_wts) * IDX_HEADS ** -0.5 * IDX_DIM ** -0.5 * qi_scale
         q = (x @ self.w_q).reshape(n, self.heads, D_QK).astype(ml_dtypes.bfloat16)
-        return qi_fp8, weights.astype(np.float32), x @ self.w_kidx, q, (x @ self.w_kv) * 4.0
+        return qi_fp8, weights.astype(np.float32), q
+
+    def keys(self, x):
+        """Index k [n, 128] float32 and latent kv [n, 576] float32."""
+        return x @ self.w_kidx, (x @ self.w_kv) * 4.0
 
 
 class Caches:
@@ -190,31 +193,32 @@ def main(argv=None):
 
     # --- prefill --------------------------------------------------------------------------
     P = args.prompt
-    qi, wts, k_idx, q, latent = layer.project(x[:P])
     t_start = time.perf_counter()
-    caches.write(0, k_idx, latent)
+    caches.write(0, *layer.keys(x[:P]))
     t_index = t_attn = 0.0
     check_rows = set(rng.choice(P, size=min(args.check_rows, P), replace=False).tolist()) | {P - 1}
     for r0 in range(0, P, args.chunk):
         r1 = min(P, r0 + args.chunk)
+        qi, wts, q = layer.queries(x[r0:r1])   # this chunk's rows: indices below are r - r0
         ks = np.zeros(r1 - r0, np.int32)
         ke = np.arange(r0 + 1, r1 + 1, dtype=np.int32)           # causal: row t sees keys 0..t
         t0 = time.perf_counter()
-        picked = dsa.fp8_mqa_topk(qi[r0:r1], (caches.k_fp8[:P], caches.k_scale[:P]), wts[r0:r1], ks, ke, TOPK)
+        picked = dsa.fp8_mqa_topk(qi, (caches.k_fp8[:P], caches.k_scale[:P]), wts, ks, ke, TOPK)
         slots = np.where(picked >= 0, caches.slot(np.maximum(picked, 0)), -1).astype(np.int32)
         t1 = time.perf_counter()
-        out, lse = dsa.flash_mla_with_kvcache(q[r0:r1, None], caches.kv, None, None, D_V, softmax_scale=scale,
+        out, lse = dsa.flash_mla_with_kvcache(q[:, None], caches.kv, None, None, D_V, softmax_scale=scale,
                                               is_fp8_kvcache=True, indices=slots[:, None])
         t2 = time.perf_counter()
         t_index, t_attn = t_index + t1 - t0, t_attn + t2 - t1
         for r in sorted(check_rows & set(range(r0, r1))):
-            ref, mag = ref_indexer(qi[r], wts[r], caches.k_fp8, caches.k_scale, r + 1)
-            got = dsa.fp8_mqa_logits(qi[r:r + 1], (caches.k_fp8[:P], caches.k_scale[:P]), wts[r:r + 1],
+            i = r - r0
+            ref, mag = ref_indexer(qi[i], wts[i], caches.k_fp8, caches.k_scale, r + 1)
+            got = dsa.fp8_mqa_logits(qi[i:i + 1], (caches.k_fp8[:P], caches.k_scale[:P]), wts[i:i + 1],
                                      ks[:1], np.array([r + 1], np.int32))[0, :r + 1]
             check.logits(got, ref, mag)
-            tokens = picked[r - r0][picked[r - r0] >= 0]
+            tokens = picked[i][picked[i] >= 0]
             check.gap = max(check.gap, check_selection(tokens, ref, mag, r + 1))
-            check.row(caches, slots[r - r0][slots[r - r0] >= 0], q[r], out[r - r0, 0], lse[r - r0, :, 0], scale)
+            check.row(caches, slots[i][slots[i] >= 0], q[i], out[i, 0], lse[i, :, 0], scale)
     t_prefill = time.perf_counter() - t_start
     print(f"prefill {P} tokens: {t_prefill:.2f} s (indexer + top-k {t_index:.2f} s, sparse MLA {t_attn:.2f} s)")
 
@@ -222,9 +226,9 @@ def main(argv=None):
     step_times = []
     for step in range(args.decode):
         t = P + step
-        qi1, w1, k1, q1, lat1 = layer.project(x[t:t + 1])
+        qi1, w1, q1 = layer.queries(x[t:t + 1])
         t0 = time.perf_counter()
-        caches.write(t, k1, lat1)
+        caches.write(t, *layer.keys(x[t:t + 1]))
         lens = np.array([[t + 1]], np.int32)
         logits = dsa.fp8_paged_mqa_logits(qi1[None], caches.index_k, w1, lens, caches.table[None], None, t + 1, True)
         slots = dsa.topk_page_table_transform(logits, caches.table[None], lens[:, 0], TOPK, page_size=PAGE)
