@@ -51,6 +51,8 @@ void set_isa(const std::string& name);       // throws Error if not supported he
 // This machine's limits, measured with the active ISA on `threads` pool threads
 // (1 <= threads <= get_num_threads()): the fp32 FMA rate and the streaming read rate.
 double measure_fma_peak_gflops(int threads);
+// The vdpbf16ps rate (bf16 pairs, fp32 sums) where the active ISA has it (avx512bf16), else 0.
+double measure_bf16_dot_peak_gflops(int threads);
 double measure_read_bandwidth_gbs(int threads);
 
 std::string version();

@@ -8,6 +8,7 @@ torch tensors, taken without copies; outputs come back in the input's kind.
 
 from . import _C
 from .merge import merge_attention_states
+from . import dsa  # noqa: F401  (attnkit.dsa: DeepSeek sparse attention decode, indexer, top-k)
 from .ops import attention
 from .sage import sage_attention
 from .serving import append_kv_cache, paged_attention, varlen_attention

@@ -271,6 +271,81 @@ void merge_attention_states(const InArray& out_a, const InArray& lse_a, const In
   run_op([&] { attnkit::merge_attention_states(args); });
 }
 
+// DSA (include/attnkit/dsa.h).
+void flash_mla_with_kvcache(const InArray& q, const InArray& k_cache, const std::optional<InArray>& block_table,
+                            const std::optional<InArray>& cache_seqlens, int64_t head_dim_v,
+                            std::optional<double> softmax_scale, bool causal, bool is_fp8_kvcache,
+                            const std::optional<InArray>& indices, const std::optional<InArray>& attn_sink,
+                            const std::optional<InArray>& topk_length, const OutArray& out, const OutArray& lse) {
+  attnkit::MlaDecodeArgs args;
+  args.q = to_view(q, "q");
+  args.k_cache = to_view(k_cache, "k_cache");
+  args.block_table = to_view(block_table, "block_table");
+  args.cache_seqlens = to_view(cache_seqlens, "cache_seqlens");
+  args.head_dim_v = head_dim_v;
+  args.softmax_scale = softmax_scale;
+  args.causal = causal;
+  args.is_fp8_kvcache = is_fp8_kvcache;
+  args.indices = to_view(indices, "indices");
+  args.attn_sink = to_view(attn_sink, "attn_sink");
+  args.topk_length = to_view(topk_length, "topk_length");
+  args.out = to_view(out, "out");
+  args.lse = to_view(lse, "lse");
+  run_op([&] { attnkit::flash_mla_with_kvcache(args); });
+}
+
+void quantize_v32_kv(const InArray& src, const OutArray& dst) {
+  const attnkit::TensorView s = to_view(src, "src"), d = to_view(dst, "dst");
+  run_op([&] { attnkit::quantize_v32_kv(s, d); });
+}
+
+void fp8_mqa_logits(const InArray& q, const InArray& kv, const InArray& kv_scale, const InArray& weights,
+                    const InArray& ks, const InArray& ke, bool clean_logits, int64_t max_seqlen_k,
+                    const std::optional<OutArray>& logits, const std::optional<OutArray>& topk_indices) {
+  attnkit::IndexerLogitsArgs args;
+  args.q = to_view(q, "q");
+  args.kv = to_view(kv, "kv");
+  args.kv_scale = to_view(kv_scale, "kv_scale");
+  args.weights = to_view(weights, "weights");
+  args.ks = to_view(ks, "cu_seq_len_k_start");
+  args.ke = to_view(ke, "cu_seq_len_k_end");
+  args.clean_logits = clean_logits;
+  args.max_seqlen_k = max_seqlen_k;
+  args.logits = to_view(logits, "logits");
+  args.topk_indices = to_view(topk_indices, "topk_indices");
+  run_op([&] { attnkit::fp8_mqa_logits(args); });
+}
+
+void fp8_paged_mqa_logits(const InArray& q, const InArray& kv_cache, const InArray& weights, const InArray& context_lens,
+                          const InArray& block_table, int64_t max_context_len, bool clean_logits, const OutArray& logits) {
+  attnkit::PagedIndexerLogitsArgs args;
+  args.q = to_view(q, "q");
+  args.kv_cache = to_view(kv_cache, "kv_cache");
+  args.weights = to_view(weights, "weights");
+  args.context_lens = to_view(context_lens, "context_lens");
+  args.block_table = to_view(block_table, "block_table");
+  args.max_context_len = max_context_len;
+  args.clean_logits = clean_logits;
+  args.logits = to_view(logits, "logits");
+  run_op([&] { attnkit::fp8_paged_mqa_logits(args); });
+}
+
+void topk_transform(const InArray& logits, const InArray& lengths, int64_t topk, const std::optional<InArray>& row_starts,
+                    const std::optional<InArray>& offsets, const std::optional<InArray>& page_table, int64_t page_size,
+                    const std::optional<InArray>& row_to_batch, const OutArray& out) {
+  attnkit::TopkArgs args;
+  args.logits = to_view(logits, "logits");
+  args.lengths = to_view(lengths, "lengths");
+  args.topk = topk;
+  args.row_starts = to_view(row_starts, "row_starts");
+  args.offsets = to_view(offsets, "offsets");
+  args.page_table = to_view(page_table, "page_table");
+  args.page_size = page_size;
+  args.row_to_batch = to_view(row_to_batch, "row_to_batch");
+  args.out = to_view(out, "out");
+  run_op([&] { attnkit::topk_transform(args); });
+}
+
 }  // namespace
 
 NB_MODULE(_C, m) {
@@ -316,4 +391,16 @@ NB_MODULE(_C, m) {
   m.def("cpu_features", &attnkit::cpu_features);
   m.def("merge_attention_states", &merge_attention_states, "out_a"_a, "lse_a"_a, "out_b"_a, "lse_b"_a, "out"_a,
         "lse_out"_a);
+  m.def("flash_mla_with_kvcache", &flash_mla_with_kvcache, "q"_a, "k_cache"_a, "block_table"_a.none(),
+        "cache_seqlens"_a.none(), "head_dim_v"_a, "softmax_scale"_a.none(), "causal"_a, "is_fp8_kvcache"_a,
+        "indices"_a.none(), "attn_sink"_a.none(), "topk_length"_a.none(), "out"_a, "lse"_a);
+  m.def("quantize_v32_kv", &quantize_v32_kv, "src"_a, "dst"_a);
+  m.def("fp8_mqa_logits", &fp8_mqa_logits, "q"_a, "kv"_a, "kv_scale"_a, "weights"_a, "ks"_a, "ke"_a,
+        "clean_logits"_a, "max_seqlen_k"_a, "logits"_a.none(), "topk_indices"_a.none());
+  m.def("fp8_paged_mqa_logits", &fp8_paged_mqa_logits, "q"_a, "kv_cache"_a, "weights"_a, "context_lens"_a,
+        "block_table"_a, "max_context_len"_a, "clean_logits"_a, "logits"_a);
+  m.def("topk_transform", &topk_transform, "logits"_a, "lengths"_a, "topk"_a, "row_starts"_a.none(),
+        "offsets"_a.none(), "page_table"_a.none(), "page_size"_a, "row_to_batch"_a.none(), "out"_a);
+  m.def("measure_bf16_dot_peak_gflops", &attnkit::measure_bf16_dot_peak_gflops, "threads"_a,
+        nb::call_guard<nb::gil_scoped_release>());
 }

@@ -1,4 +1,4 @@
-// Measures this machine's fp32 FMA peak and read bandwidth with the active ISA's probe
+// Measures this machine's fp32 FMA (and vdpbf16ps) peak and read bandwidth with the active ISA's probe
 // loops, on a given number of pool threads (see attnkit/runtime.h).
 #include <chrono>
 #include <cstdlib>
@@ -26,30 +26,40 @@ void check_threads(int threads) {
   }
 }
 
-}  // namespace
-
-double measure_fma_peak_gflops(int threads) {
-  check_threads(threads);
-  const cpu::ProbeTable& probe = detail::probes();
-  // Calibrate one thread to ~50 ms, then run every thread for the same count; the best of
-  // five runs is the peak (interference only ever slows a run down).
+// Calibrate one thread to ~50 ms, then run every thread for the same count; the best of
+// five runs is the peak (interference only ever slows a run down).
+double measure_loop_gflops(int threads, float (*loop)(int64_t), int64_t flops_per_iter) {
   int64_t iters = 1 << 16;
   for (;;) {
     const auto t0 = Clock::now();
-    probe.fma_loop(iters);
+    loop(iters);
     if (seconds_since(t0) > 0.05 || iters > (int64_t{1} << 40)) break;
     iters *= 2;
   }
   std::vector<float> sink(threads);
   double best = 0.0;
   for (int rep = 0; rep < 5; ++rep) {
-    auto body = [&](int64_t task, int) { sink[task] = probe.fma_loop(iters); };
+    auto body = [&](int64_t task, int) { sink[task] = loop(iters); };
     const auto t0 = Clock::now();
     detail::parallel_for(threads, threads, body);
-    const double flops = static_cast<double>(iters) * probe.flops_per_iter * threads;
+    const double flops = static_cast<double>(iters) * flops_per_iter * threads;
     best = std::max(best, flops / seconds_since(t0) / 1e9);
   }
   return best;
+}
+
+}  // namespace
+
+double measure_fma_peak_gflops(int threads) {
+  check_threads(threads);
+  const cpu::ProbeTable& probe = detail::probes();
+  return measure_loop_gflops(threads, probe.fma_loop, probe.flops_per_iter);
+}
+
+double measure_bf16_dot_peak_gflops(int threads) {
+  check_threads(threads);
+  const cpu::ProbeTable& probe = detail::probes();
+  return probe.bf16_dot_loop ? measure_loop_gflops(threads, probe.bf16_dot_loop, probe.bf16_dot_flops_per_iter) : 0.0;
 }
 
 double measure_read_bandwidth_gbs(int threads) {

@@ -9,6 +9,10 @@ namespace attnkit {
 struct AttentionParams;
 struct SparseMlaParams;
 struct MergeStatesParams;
+struct MlaDecodeParams;
+struct V32QuantizeParams;
+struct IndexerParams;
+struct TopkParams;
 }
 
 namespace attnkit::cpu {
@@ -19,6 +23,10 @@ struct KernelTable {
   void (*sparse_mla_fwd)(const SparseMlaParams& params);
   void (*sage_int8_fwd)(const AttentionParams& params);
   void (*merge_states)(const MergeStatesParams& params);
+  void (*mla_decode_fwd)(const MlaDecodeParams& params);
+  void (*v32_quantize)(const V32QuantizeParams& params);
+  void (*indexer_logits)(const IndexerParams& params);
+  void (*topk_select)(const TopkParams& params);
 };
 
 // Loops the benchmark uses to measure the machine (src/cpu/machine_probe.cpp).
@@ -26,6 +34,9 @@ struct ProbeTable {
   float (*fma_loop)(int64_t iters);              // iters * flops_per_iter fp32 flops
   float (*read_sum)(const float* data, int64_t n);
   int64_t flops_per_iter;
+  // vdpbf16ps chains (avx512bf16 only, else null): iters * bf16_dot_flops_per_iter flops
+  float (*bf16_dot_loop)(int64_t iters);
+  int64_t bf16_dot_flops_per_iter;
 };
 
 #define ATTNKIT_DECLARE_ISA(isa)            \

@@ -10,5 +10,9 @@ void attention_fwd(const AttentionParams& params);
 void sparse_mla_fwd(const SparseMlaParams& params);
 void sage_int8_fwd(const AttentionParams& params);
 void merge_states(const MergeStatesParams& params);
+void mla_decode_fwd(const MlaDecodeParams& params);
+void v32_quantize(const V32QuantizeParams& params);
+void indexer_logits(const IndexerParams& params);
+void topk_select(const TopkParams& params);
 
 }  // namespace attnkit::cpu::ATTNKIT_ISA

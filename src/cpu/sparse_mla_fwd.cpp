@@ -1,220 +1,69 @@
-// Sparse MLA prefill on the CPU. A task is one query row and a block of its heads: the
-// row's valid top-k slots are listed once, then gathered kSlotTile rows at a time,
-// dequantised to fp32 once per (query, tile) and shared by every head of the block as
-// both K (all d_qk columns) and V (the first d_v). Per tile: Sᵀ = KV · Qᵀ, the online
-// softmax, O += P · V, with the same micro-kernels as dense attention. Compiled per ISA.
-#include <cmath>
+// Sparse MLA prefill on the CPU: the shared tile loop (sparse_mla_tile.h) over flat kv rows
+// [s_kv, d_qk] of q's dtype, each query row's slots taken from its indices. Compiled per ISA.
 #include <cstdint>
 #include <cstring>
 
 #include "attnkit/dtype.h"
-#include "core/thread_pool.h"
 #include "cpu/kernels.h"
-#include "cpu/kernels/convert.h"
-#include "cpu/kernels/gemm.h"
-#include "cpu/kernels/gemm_dot.h"
-#include "cpu/kernels/softmax.h"
-#include "cpu/kernels/workspace.h"
+#include "cpu/sparse_mla_tile.h"
 #include "ops/sparse_mla_params.h"
 
 namespace attnkit::cpu::ATTNKIT_ISA {
 namespace {
 
-constexpr int64_t kSlotTile = 64;   // gathered kv rows per tile
-constexpr int64_t kHeadBlock = 128; // heads per task (all of DeepSeek-V3.2's per rank)
-constexpr int64_t kMinTasks = 16;   // fewer (query, head block) tasks than this: smaller blocks
-// On avx512bf16, Sᵀ = KV · Qᵀ runs on bf16 pairs with vdpbf16ps: bf16 and fp8 values are
-// exact in bf16, so the products are exact and only the fp32 summation order changes.
-#if defined(ATTNKIT_ISA_avx512bf16)
-constexpr bool kBf16Dot = true;
-#else
-constexpr bool kBf16Dot = false;
-#endif
-
-struct Plan {
-  int64_t head_block, head_blocks, tasks, rows_pad, d_pad, dv_pad, d_pairs, workspace_floats;
-
-  explicit Plan(const SparseMlaParams& p) {
-    head_block = p.h_q < kHeadBlock ? p.h_q : kHeadBlock;
-    // Few queries (decode): smaller head blocks keep the threads busy; each head's numbers
-    // do not depend on the blocking, so results stay bit-identical.
-    while (head_block > 16 && p.s_q * ((p.h_q + head_block - 1) / head_block) < kMinTasks) head_block /= 2;
-    head_blocks = (p.h_q + head_block - 1) / head_block;
-    tasks = p.s_q * head_blocks;
-    rows_pad = round_up(head_block, kLanes);
-    d_pad = round_up(p.d_qk, kLanes);
-    dv_pad = round_up(p.d_v, kLanes);  // <= d_pad: V columns are read from the kv tile
-    d_pairs = (p.d_qk + 1) / 2;
-    workspace_floats = p.d_qk * rows_pad       // Qᵀ, scaled
-                       + rows_pad * dv_pad     // output accumulators
-                       + kSlotTile * rows_pad  // Sᵀ, then Pᵀ
-                       + kSlotTile * d_pad     // gathered, dequantised kv rows
-                       + (kBf16Dot ? kSlotTile * d_pairs : 0)  // the same rows as bf16 pairs
-                       + 3 * rows_pad;         // running max, sum, rescale factors
-  }
-};
+using sparse_tile::bf16_bits;
+using sparse_tile::kBf16Dot;
 
 template <DType T>
-class SparseMlaTask {
+struct FlatRows {
   using E = typename Elem<T>::type;
+  using Slot = int32_t;
+  static constexpr bool kBf16PV = false;  // the prefill keeps P in fp32
+  const SparseMlaParams& p;
+  int64_t capacity = p.topk;
 
- public:
-  SparseMlaTask(const SparseMlaParams& p, const Plan& plan) : p_(p), plan_(plan) {}
+  const void* q_row(int64_t s) const { return static_cast<const E*>(p.q) + s * p.q_stride[0]; }
 
-  void run(int64_t task, float* workspace, int32_t* slots) const {
-    const int64_t s = task / plan_.head_blocks;
-    const int64_t h0 = task % plan_.head_blocks * plan_.head_block;
-    const int64_t nh = p_.h_q - h0 < plan_.head_block ? p_.h_q - h0 : plan_.head_block;
-    const int64_t ld = plan_.rows_pad;
-    float* qt = workspace;
-    float* o = qt + p_.d_qk * ld;
-    float* st = o + ld * plan_.dv_pad;
-    float* kv = st + kSlotTile * ld;
-    float* m = kv + kSlotTile * plan_.d_pad;
-    float* l = m + ld;
-    float* alpha = l + ld;
-    uint32_t* kv_pairs = reinterpret_cast<uint32_t*>(alpha + ld);
-
-    const int64_t n_valid = list_valid_slots(s, slots);
-    pack_qt(s, h0, nh, qt, kv);  // the kv tile is free until the first gather
-    std::memset(o, 0, sizeof(float) * nh * plan_.dv_pad);
-    for (int64_t r = 0; r < ld; ++r) m[r] = -INFINITY, l[r] = 0.0f;
-    for (int64_t t0 = 0; t0 < n_valid; t0 += kSlotTile) {
-      const int64_t bc = n_valid - t0 < kSlotTile ? n_valid - t0 : kSlotTile;
-      gather_rows(slots + t0, bc, kv, kv_pairs);
-#if defined(ATTNKIT_ISA_avx512bf16)  // Sᵀ = KV · Qᵀ on exact bf16 pairs, then the logit scale
-      gemm_bf16<kWideRows, kTallVecs>(bc, ld, plan_.d_pairs, kv_pairs, plan_.d_pairs, 1,
-                                      reinterpret_cast<const uint32_t*>(qt), ld, st, ld, false);
-      const vfloat scale = vbroadcast(p_.logit_scale);
-      for (int64_t i = 0; i < bc * ld; i += kLanes) vstore(st + i, vload(st + i) * scale);
-#else  // Sᵀ = KV · Qᵀ
-      gemm<kWideRows, kTallVecs>(bc, ld, p_.d_qk, kv, plan_.d_pad, 1, qt, ld, st, ld, false);
-#endif
-      online_softmax_tile(st, bc, ld, ld, m, l, alpha);
-      for (int64_t r = 0; r < nh; ++r) {
-        if (alpha[r] != 1.0f) scale_row(o + r * plan_.dv_pad, plan_.dv_pad, alpha[r]);
-      }
-      gemm<kTallRows, kTallVecs>(nh, plan_.dv_pad, bc, st, 1, ld, kv, plan_.d_pad, o, plan_.dv_pad,
-                                 true);  // O += P · V
-    }
-    write_out(s, h0, nh, n_valid, o, m, l);
-  }
-
- private:
   // The row's valid slots in order: 0 <= idx < s_kv and t < topk_length[s]. Listing them
   // makes -1 tails and topk_length identical, and keeps every gathered tile full.
-  int64_t list_valid_slots(int64_t s, int32_t* slots) const {
-    int64_t limit = p_.topk;
-    if (p_.topk_length) {
-      const int64_t len = p_.topk_length[s * p_.topk_length_stride];
+  int64_t list(int64_t s, int32_t* slots) const {
+    int64_t limit = p.topk;
+    if (p.topk_length) {
+      const int64_t len = p.topk_length[s * p.topk_length_stride];
       limit = len < 0 ? 0 : (len < limit ? len : limit);
     }
-    const int32_t* idx = p_.indices + s * p_.indices_stride[0];
+    const int32_t* idx = p.indices + s * p.indices_stride[0];
     int64_t n = 0;
     for (int64_t t = 0; t < limit; ++t) {
-      const int32_t i = idx[t * p_.indices_stride[1]];
-      if (i >= 0 && i < p_.s_kv) slots[n++] = i;
+      const int32_t i = idx[t * p.indices_stride[1]];
+      if (i >= 0 && i < p.s_kv) slots[n++] = i;
     }
     return n;
   }
 
-  // Qᵀ [d_qk][rows_pad] of heads h0 .. h0+nh-1, dequantised and scaled by sm_scale ·
-  // q_scale · kv_scale so that Sᵀ holds the logits; padding heads are zero.
-  // `row` is scratch for one dequantised row (vector conversion, then a transposed copy).
-  // On the bf16-dot path Qᵀ holds unscaled bf16 pairs (exact) instead.
-  void pack_qt(int64_t s, int64_t h0, int64_t nh, float* qt, float* row) const {
-    const int64_t ld = plan_.rows_pad;
-    std::memset(qt, 0, sizeof(float) * p_.d_qk * ld);
-    const E* base = static_cast<const E*>(p_.q) + s * p_.q_stride[0];
-    for (int64_t r = 0; r < nh; ++r) {
-      load_row<T>(base + (h0 + r) * p_.q_stride[1], p_.q_stride[2], p_.d_qk, kBf16Dot ? 1.0f : p_.logit_scale, row);
-      if constexpr (kBf16Dot) {
-        uint32_t* qtp = reinterpret_cast<uint32_t*>(qt);
-        for (int64_t d = 0; d < p_.d_qk; d += 2) {
-          qtp[d / 2 * ld + r] = bf16_bits(row[d]) | (d + 1 < p_.d_qk ? bf16_bits(row[d + 1]) << 16 : 0u);
-        }
+  void load(int32_t slot, float* dst, uint16_t* pairs) const {
+    const E* src = static_cast<const E*>(p.kv) + int64_t{slot} * p.kv_stride[0];
+    load_row<T>(src, p.kv_stride[1], p.d_qk, 1.0f, dst);
+    if constexpr (kBf16Dot) {
+      if (T == DType::bfloat16 && p.kv_stride[1] == 1) {
+        std::memcpy(pairs, src, sizeof(uint16_t) * p.d_qk);
       } else {
-        for (int64_t d = 0; d < p_.d_qk; ++d) qt[d * ld + r] = row[d];
+        for (int64_t d = 0; d < p.d_qk; ++d) pairs[d] = static_cast<uint16_t>(bf16_bits(dst[d]));
       }
     }
   }
-
-  // The top half of a float that is exactly a bf16 value (bf16 and fp8 inputs are).
-  static uint32_t bf16_bits(float x) {
-    uint32_t u;
-    std::memcpy(&u, &x, sizeof u);
-    return u >> 16;
-  }
-
-  // kv rows of the listed slots, dequantised (without kv_scale, applied to logits and
-  // output instead), zero-padded to d_pad columns.
-  // On the bf16-dot path the rows are also written as bf16 pairs (kv_pairs [n][d_pairs]).
-  void gather_rows(const int32_t* slots, int64_t n, float* kv, uint32_t* kv_pairs) const {
-    const E* base = static_cast<const E*>(p_.kv);
-    for (int64_t j = 0; j < n; ++j) {
-      const E* src = base + int64_t{slots[j]} * p_.kv_stride[0];
-      float* dst = kv + j * plan_.d_pad;
-      load_row<T>(src, p_.kv_stride[1], p_.d_qk, 1.0f, dst);
-      for (int64_t d = p_.d_qk; d < plan_.d_pad; ++d) dst[d] = 0.0f;
-      if constexpr (kBf16Dot) {
-        uint16_t* pairs = reinterpret_cast<uint16_t*>(kv_pairs + j * plan_.d_pairs);
-        if (T == DType::bfloat16 && p_.kv_stride[1] == 1) {
-          std::memcpy(pairs, src, sizeof(uint16_t) * p_.d_qk);
-        } else {
-          for (int64_t d = 0; d < p_.d_qk; ++d) pairs[d] = static_cast<uint16_t>(bf16_bits(dst[d]));
-        }
-        if (p_.d_qk % 2) pairs[p_.d_qk] = 0;
-      }
-    }
-  }
-
-  // out = O · kv_scale / (l + e^(sink - m)); max_logits = m; lse = m + log(l). A row with
-  // no valid slot: out 0, max_logits -inf, lse +inf. NaN anywhere in a row reaches all three.
-  void write_out(int64_t s, int64_t h0, int64_t nh, int64_t n_valid, const float* o, const float* m,
-                 const float* l) const {
-    for (int64_t r = 0; r < nh; ++r) {
-      const int64_t h = h0 + r;
-      uint16_t* dst = p_.out + (s * p_.h_q + h) * p_.d_v;
-      float* max_logit = p_.max_logits + s * p_.h_q + h;
-      float* lse = p_.lse + s * p_.h_q + h;
-      if (n_valid == 0) {
-        std::memset(dst, 0, sizeof(uint16_t) * p_.d_v);  // bf16 +0
-        *max_logit = -INFINITY, *lse = INFINITY;
-        continue;
-      }
-      float denom = l[r];
-      if (p_.attn_sink) denom += std::exp(p_.attn_sink[h * p_.attn_sink_stride] - m[r]);
-      const float factor = p_.kv_scale / denom;
-      const float* acc = o + r * plan_.dv_pad;
-      for (int64_t d = 0; d < p_.d_v; ++d) dst[d] = float_to_bfloat16(acc[d] * factor);
-      const bool nan = std::isnan(l[r]);
-      *max_logit = nan ? l[r] : m[r];
-      *lse = m[r] + std::log(l[r]);
-    }
-  }
-
-  const SparseMlaParams& p_;
-  const Plan& plan_;
 };
 
 template <DType T>
-void run_sparse_mla(const SparseMlaParams& p) {
-  const int threads = detail::num_threads();
-  const Plan plan(p);
-  AlignedBuffer<float> workspace(plan.workspace_floats * threads);
-  AlignedBuffer<int32_t> slots(p.topk * threads);
-  const SparseMlaTask<T> task(p, plan);
-  auto body = [&](int64_t t, int thread) {
-    task.run(t, workspace.data + plan.workspace_floats * thread, slots.data + p.topk * thread);
-  };
-  detail::parallel_for(plan.tasks, threads, body);
+void run_flat(const SparseMlaParams& p) {
+  sparse_tile::run<T>(p, FlatRows<T>{p});
 }
 
 }  // namespace
 
 void sparse_mla_fwd(const SparseMlaParams& p) {
-  if (p.dtype == DType::bfloat16) return run_sparse_mla<DType::bfloat16>(p);
-  run_sparse_mla<DType::float8_e4m3fn>(p);
+  if (p.dtype == DType::bfloat16) return run_flat<DType::bfloat16>(p);
+  run_flat<DType::float8_e4m3fn>(p);
 }
 
 }  // namespace attnkit::cpu::ATTNKIT_ISA

@@ -64,3 +64,17 @@ def test_call_overhead_row():
     assert res.returncode == 0, res.stdout + res.stderr
     names = [line.split()[1] for line in res.stdout.splitlines() if re.match(r"\s+1\s+\S", line)]
     assert {"attnkit", "attnkit-torch", "torch-sdpa"} <= set(names), res.stdout
+
+
+def test_dsa_op_verifies():
+    res = run_bench("--op", "dsa", "--shape", "IL,rows=4,keys=600", "--shape", "TK,rows=3,keys=3000",
+                    "--shape", "D,b=2,h=16,topk=256,s_k=1000", "--shape", "IP,rows=2,keys=640",
+                    "--threads", "1", "--repeats", "1", "--budget", "1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "FAILED" not in res.stdout and res.stdout.count(" ok ") + res.stdout.count(" ok (") >= 8
+
+
+def test_dsa_op_wrong_result_is_reported():
+    res = run_bench("--op", "dsa", "--shape", "D,b=2,h=16,topk=256,s_k=1000", "--threads", "1", "--repeats", "1",
+                    "--budget", "1", "--inject-error")
+    assert res.returncode == 1 and "FAILED" in res.stdout, res.stdout + res.stderr

@@ -170,6 +170,7 @@ def load_ops() -> dict:
     from . import sparse_mla_op  # noqa: F401  (registers "sparse_mla")
     from . import sage_op  # noqa: F401  (registers "sage")
     from . import serving_op  # noqa: F401  (registers "varlen" and "paged")
+    from . import dsa_op  # noqa: F401  (registers "dsa")
     return OPS
 
 

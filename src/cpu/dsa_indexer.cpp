@@ -1,0 +1,391 @@
+// DSA's lightning indexer and top-k on the CPU. Indexer logits: a task is a block of query
+// rows (all their heads, rows·heads ~ 128 columns) and a chunk of keys; per tile of 64 keys
+// Sᵀ = K · Qᵀ runs on the shared register tiles (vdpbf16ps on avx512bf16: e4m3 values are
+// exact in bf16, so products are exact and only fp32 summation order differs from exact),
+// then each (key, row) reduces Σ_h w·ReLU(s) · k_scale. Top-k orders candidates by (value
+// desc, index asc) packed into one 64-bit key, so selection is exact, deterministic and
+// independent of how rows or keys were split; the fused indexer keeps a bounded candidate
+// buffer per row (streaming) instead of a row of logits. Compiled per ISA.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "attnkit/dtype.h"
+#include "core/thread_pool.h"
+#include "cpu/kernels.h"
+#include "cpu/kernels/convert.h"
+#include "cpu/kernels/gemm.h"
+#include "cpu/kernels/gemm_dot.h"
+#include "cpu/kernels/workspace.h"
+#include "ops/dsa_params.h"
+
+namespace attnkit::cpu::ATTNKIT_ISA {
+namespace {
+
+constexpr int64_t kKeyTile = 64;      // keys per Sᵀ tile
+constexpr int64_t kKeyChunk = 8192;   // keys per task when logits are written (amortises packing Qᵀ)
+constexpr int64_t kBlockColumns = 128;  // rows · padded heads per task (Qᵀ columns)
+#if defined(ATTNKIT_ISA_avx512bf16)
+constexpr bool kBf16Dot = true;
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
+// --- top-k selection ------------------------------------------------------------------------
+
+// Ascending keys = descending value, then ascending index (-0 and +0 are one value). -inf and
+// NaN are never candidates.
+inline uint64_t order_key(float v, uint32_t index) {
+  if (v == 0.0f) v = 0.0f;
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // monotone in v
+  return (uint64_t{~u} << 32) | index;
+}
+inline bool selectable(float v) { return v > -INFINITY; }  // false for -inf and NaN
+
+// The k best of a stream of (value, index) with a buffer of 2k keys: when it fills, the k best
+// are kept and the k-th becomes the bar a new candidate must pass.
+class StreamingTopk {
+ public:
+  explicit StreamingTopk(int64_t k) : k_(k), bar_(UINT64_MAX) { keys_.reserve(std::min<int64_t>(2 * k, 4096)); }
+  void push(float v, uint32_t index) {
+    if (!selectable(v)) return;
+    const uint64_t key = order_key(v, index);
+    if (key >= bar_) return;
+    keys_.push_back(key);
+    if (static_cast<int64_t>(keys_.size()) == 2 * k_) shrink();
+  }
+  // The selected indices, best first; returns how many (<= k).
+  int64_t finish(uint32_t* out) {
+    if (static_cast<int64_t>(keys_.size()) > k_) shrink();
+    std::sort(keys_.begin(), keys_.end());
+    for (size_t i = 0; i < keys_.size(); ++i) out[i] = static_cast<uint32_t>(keys_[i]);
+    return static_cast<int64_t>(keys_.size());
+  }
+
+ private:
+  void shrink() {
+    std::nth_element(keys_.begin(), keys_.begin() + (k_ - 1), keys_.end());
+    bar_ = keys_[k_ - 1];
+    keys_.resize(k_);
+  }
+  int64_t k_;
+  uint64_t bar_;
+  std::vector<uint64_t> keys_;
+};
+
+// --- indexer logits -------------------------------------------------------------------------
+
+struct RowBlock {
+  int64_t r0, nr;   // rows r0 .. r0+nr-1, all in one batch entry
+  int64_t lo, hi;   // union of their key ranges
+};
+
+class Indexer {
+ public:
+  explicit Indexer(const IndexerParams& p) : p_(p) {
+    hpad_ = round_up(p.h, kLanes);
+    const int64_t rows_per_block = std::max<int64_t>(1, kBlockColumns / hpad_);
+    d_pairs_ = (p.d + 1) / 2;
+    for (int64_t b0 = 0; b0 < p.rows; b0 += p.rows_per_batch) {
+      for (int64_t r0 = b0; r0 < b0 + p.rows_per_batch; r0 += rows_per_block) {
+        RowBlock blk{r0, std::min(rows_per_block, b0 + p.rows_per_batch - r0), INT64_MAX, 0};
+        for (int64_t r = r0; r < r0 + blk.nr; ++r) {
+          int64_t lo, hi;
+          range(r, lo, hi);
+          if (lo < hi) blk.lo = std::min(blk.lo, lo), blk.hi = std::max(blk.hi, hi);
+        }
+        if (blk.lo >= blk.hi) blk.lo = blk.hi = 0;
+        blocks_.push_back(blk);
+      }
+    }
+    cols_ = rows_per_block * hpad_;
+    workspace_floats_ = cols_ * (kBf16Dot ? d_pairs_ : p.d)  // Qᵀ
+                        + cols_                              // weights by column
+                        + kKeyTile * cols_                   // Sᵀ
+                        + kKeyTile * (kBf16Dot ? d_pairs_ : p.d)  // the key tile
+                        + kKeyTile;                          // its scales
+  }
+
+  // The valid keys [lo, hi) of row r.
+  void range(int64_t r, int64_t& lo, int64_t& hi) const {
+    const int64_t b = r / p_.rows_per_batch, i = r % p_.rows_per_batch;
+    lo = p_.lo ? p_.lo[r * p_.lo_stride] : 0;
+    hi = p_.hi[b * p_.hi_stride[0] + i * p_.hi_stride[1]];
+    if (!p_.cache) lo = std::max<int64_t>(lo, 0), hi = std::min(hi, p_.num_keys);
+  }
+
+  void run() const {
+    const int threads = detail::num_threads();
+    AlignedBuffer<float> workspace(workspace_floats_ * threads);
+    if (!p_.logits) {  // fused top-k: one task per block, the whole span
+      auto body = [&](int64_t t, int thread) { fused_task(blocks_[t], workspace.data + workspace_floats_ * thread); };
+      detail::parallel_for(static_cast<int64_t>(blocks_.size()), threads, body);
+      return;
+    }
+    std::vector<std::pair<int64_t, int64_t>> tasks;  // (block, first key)
+    for (size_t b = 0; b < blocks_.size(); ++b) {
+      int64_t k0 = blocks_[b].lo;
+      do tasks.emplace_back(b, k0); while ((k0 += kKeyChunk) < blocks_[b].hi);
+    }
+    auto body = [&](int64_t t, int thread) {
+      logits_task(blocks_[tasks[t].first], tasks[t].second, workspace.data + workspace_floats_ * thread);
+    };
+    detail::parallel_for(static_cast<int64_t>(tasks.size()), threads, body);
+  }
+
+ private:
+  struct Scratch {
+    float *qt, *wcol, *st, *kt, *kscale;
+  };
+  Scratch carve(float* w) const {
+    Scratch s;
+    s.qt = w;
+    s.wcol = s.qt + cols_ * (kBf16Dot ? d_pairs_ : p_.d);
+    s.st = s.wcol + cols_;
+    s.kt = s.st + kKeyTile * cols_;
+    s.kscale = s.kt + kKeyTile * (kBf16Dot ? d_pairs_ : p_.d);
+    return s;
+  }
+
+  // Qᵀ of the block (column c = row · hpad + head; pad columns zero) and the weights by column.
+  void pack_q(const RowBlock& blk, const Scratch& s) const {
+    const int64_t qt_len = cols_ * (kBf16Dot ? d_pairs_ : p_.d);
+    std::memset(s.qt, 0, sizeof(float) * qt_len);
+    std::memset(s.wcol, 0, sizeof(float) * cols_);
+    for (int64_t t = 0; t < blk.nr; ++t) {
+      const int64_t r = blk.r0 + t;
+      const uint8_t* qr = p_.q + r / p_.rows_per_batch * p_.q_stride[0] + r % p_.rows_per_batch * p_.q_stride[1];
+      for (int64_t h = 0; h < p_.h; ++h) {
+        const int64_t c = t * hpad_ + h;
+        s.wcol[c] = p_.weights[r * p_.weights_stride[0] + h * p_.weights_stride[1]];
+        const uint8_t* qh = qr + h * p_.q_stride[2];
+        for (int64_t d = 0; d < p_.d; ++d) {
+          const float v = float8_e4m3fn_to_float(qh[d * p_.q_stride[3]]);
+          if constexpr (kBf16Dot) {
+            uint32_t* pairs = reinterpret_cast<uint32_t*>(s.qt);
+            pairs[d / 2 * cols_ + c] |= bf16_of(v) << (16 * (d % 2));
+          } else {
+            s.qt[d * cols_ + c] = v;
+          }
+        }
+      }
+    }
+  }
+
+  static uint32_t bf16_of(float exact) {
+    uint32_t u;
+    std::memcpy(&u, &exact, sizeof u);
+    return u >> 16;
+  }
+
+  const uint8_t* key_row(int64_t b, int64_t j, float& scale) const {
+    if (!p_.cache) {
+      scale = p_.k_scale[j * p_.k_scale_stride];
+      return p_.k + j * p_.k_row_stride;
+    }
+    const int32_t block = p_.block_table[b * p_.block_table_stride[0] + j / p_.page * p_.block_table_stride[1]];
+    const uint8_t* base = p_.cache + block * p_.block_stride;
+    const int64_t in_page = j % p_.page;
+    std::memcpy(&scale, base + p_.page * p_.d + in_page * 4, 4);
+    return base + in_page * p_.d;
+  }
+
+  // Keys [k0, k0 + n) into the key tile (bf16 rows or fp32 rows) and their scales.
+  void load_keys(int64_t b, int64_t k0, int64_t n, const Scratch& s) const {
+    for (int64_t j = 0; j < n; ++j) {
+      const uint8_t* src = key_row(b, k0 + j, s.kscale[j]);
+      const int64_t col_stride = p_.cache ? 1 : p_.k_col_stride;
+      if constexpr (kBf16Dot) {
+        uint16_t* dst = reinterpret_cast<uint16_t*>(s.kt) + j * 2 * d_pairs_;
+        int64_t d = 0;
+        if (col_stride == 1) {
+          for (; d + kLanes <= p_.d; d += kLanes) {
+            const vuint bits = (vuint)vload_as_float<DType::float8_e4m3fn>(src + d) >> 16;
+            const vhalf h = __builtin_convertvector(bits, vhalf);
+            std::memcpy(dst + d, &h, sizeof h);
+          }
+        }
+        for (; d < p_.d; ++d) dst[d] = static_cast<uint16_t>(bf16_of(float8_e4m3fn_to_float(src[d * col_stride])));
+        if (p_.d % 2) dst[p_.d] = 0;
+      } else {
+        load_row<DType::float8_e4m3fn>(src, col_stride, p_.d, 1.0f, s.kt + j * p_.d);
+      }
+    }
+  }
+
+  // Sᵀ [n][cols] for the loaded key tile, then for key j and block row t:
+  // emit(t, j, Σ_h w·ReLU(s) · k_scale).
+  template <class Emit>
+  void tile_logits(int64_t n, const Scratch& s, int64_t nr, Emit emit) const {
+#if defined(ATTNKIT_ISA_avx512bf16)
+    gemm_bf16<kTallRows, kTallVecs>(n, cols_, d_pairs_, reinterpret_cast<const uint32_t*>(s.kt), d_pairs_, 1,
+                                    reinterpret_cast<const uint32_t*>(s.qt), cols_, s.st, cols_, false);
+#else
+    gemm<kWideRows, kTallVecs>(n, cols_, p_.d, s.kt, p_.d, 1, s.qt, cols_, s.st, cols_, false);
+#endif
+    for (int64_t j = 0; j < n; ++j) {
+      const float* row = s.st + j * cols_;
+      for (int64_t t = 0; t < nr; ++t) {
+        vfloat acc{};
+        for (int64_t c = t * hpad_; c < (t + 1) * hpad_; c += kLanes) {
+          const vfloat v = vload(row + c);
+          acc += (v < 0.0f ? vfloat{} : v) * vload(s.wcol + c);  // ReLU, NaN kept
+        }
+        emit(t, j, hsum(acc) * s.kscale[j]);
+      }
+    }
+  }
+
+  void logits_task(const RowBlock& blk, int64_t k0, float* w) const {
+    const Scratch s = carve(w);
+    const int64_t b = blk.r0 / p_.rows_per_batch;
+    const int64_t k1 = std::min(k0 + kKeyChunk, blk.hi);
+    int64_t lo[kBlockColumns], hi[kBlockColumns];
+    for (int64_t t = 0; t < blk.nr; ++t) range(blk.r0 + t, lo[t], hi[t]);
+    if (p_.clean && k0 == blk.lo) {  // the first chunk also cleans what lies outside the span
+      for (int64_t t = 0; t < blk.nr; ++t) {
+        float* out = p_.logits + (blk.r0 + t) * p_.logits_stride;
+        for (int64_t j = 0; j < p_.width; ++j) {
+          if (j < blk.lo || j >= blk.hi) out[j] = -INFINITY;
+        }
+      }
+    }
+    if (k0 >= k1) return;
+    pack_q(blk, s);
+    for (int64_t t0 = k0; t0 < k1; t0 += kKeyTile) {
+      const int64_t n = std::min(kKeyTile, k1 - t0);
+      load_keys(b, t0, n, s);
+      tile_logits(n, s, blk.nr, [&](int64_t t, int64_t jj, float v) {
+        const int64_t j = t0 + jj;
+        const bool in = j >= lo[t] && j < hi[t];
+        const int64_t col = p_.compressed ? j - lo[t] : j;
+        if (!in && (!p_.clean || p_.compressed)) return;
+        if (col >= 0 && col < p_.width) p_.logits[(blk.r0 + t) * p_.logits_stride + col] = in ? v : -INFINITY;
+      });
+    }
+  }
+
+  void fused_task(const RowBlock& blk, float* w) const {
+    const Scratch s = carve(w);
+    const int64_t b = blk.r0 / p_.rows_per_batch;
+    int64_t lo[kBlockColumns], hi[kBlockColumns];
+    std::vector<StreamingTopk> best;
+    for (int64_t t = 0; t < blk.nr; ++t) range(blk.r0 + t, lo[t], hi[t]), best.emplace_back(p_.topk);
+    if (blk.lo < blk.hi) pack_q(blk, s);
+    for (int64_t t0 = blk.lo; t0 < blk.hi; t0 += kKeyTile) {
+      const int64_t n = std::min(kKeyTile, blk.hi - t0);
+      load_keys(b, t0, n, s);
+      tile_logits(n, s, blk.nr, [&](int64_t t, int64_t jj, float v) {
+        const int64_t j = t0 + jj;
+        if (j >= lo[t] && j < hi[t]) best[t].push(v, static_cast<uint32_t>(j - lo[t]));
+      });
+    }
+    std::vector<uint32_t> picked(p_.topk);
+    for (int64_t t = 0; t < blk.nr; ++t) {
+      const int64_t n = best[t].finish(picked.data());
+      int32_t* out = p_.topk_out + (blk.r0 + t) * p_.topk_stride;
+      for (int64_t i = 0; i < p_.topk; ++i) out[i] = i < n ? static_cast<int32_t>(picked[i]) : -1;
+    }
+  }
+
+  const IndexerParams& p_;
+  int64_t hpad_, d_pairs_, cols_, workspace_floats_;
+  std::vector<RowBlock> blocks_;
+};
+
+// The keys of a row's selectable values that may be among its k best: a histogram of the
+// keys' top kBinBits bits finds the bin holding the k-th best, and only keys in it or better
+// bins are kept (a superset of the top k: exact, and far fewer than the row on real logits).
+// Bins are computed kLanes values at a time (-inf and NaN go to a bin past the last).
+constexpr int kBinBits = 11;
+constexpr uint32_t kNoBin = 1u << kBinBits;
+
+inline vuint bins_of(vfloat v) {
+  v = v == 0.0f ? vfloat{} : v;                                   // -0 -> +0
+  const vuint u = (vuint)v;
+  const vuint ordered = (u >> 31) != 0 ? ~u : (u | 0x80000000u);  // as order_key
+  const vuint bin = ~ordered >> (32 - kBinBits);
+  return v > -INFINITY ? bin : vuint{} + kNoBin;
+}
+
+void select_candidates(const float* row, int64_t stride, int64_t len, int64_t k, std::vector<uint64_t>& keys) {
+  auto bin_at = [&](int64_t t) {
+    const float v = row[t * stride];
+    return selectable(v) ? static_cast<uint32_t>(order_key(v, 0) >> (64 - kBinBits)) : kNoBin;
+  };
+  uint32_t last_bin = kNoBin - 1;
+  if (len > 4 * k) {
+    std::vector<int64_t> hist(kNoBin + 1, 0);
+    int64_t t = 0;
+    if (stride == 1) {
+      for (; t + kLanes <= len; t += kLanes) {
+        const vuint bins = bins_of(vload(row + t));
+        for (int i = 0; i < kLanes; ++i) ++hist[bins[i]];
+      }
+    }
+    for (; t < len; ++t) ++hist[bin_at(t)];
+    int64_t seen = 0;
+    for (last_bin = 0; last_bin < kNoBin - 1 && seen + hist[last_bin] < k; ++last_bin) seen += hist[last_bin];
+    keys.reserve(static_cast<size_t>(seen + hist[last_bin]));
+  } else {
+    keys.reserve(len);
+  }
+  int64_t t = 0;
+  if (stride == 1) {
+    const vuint bar = vuint{} + last_bin;
+    for (; t + kLanes <= len; t += kLanes) {
+      const vint pass = (vint)(bins_of(vload(row + t)) <= bar);
+      bool any = false;
+      for (int i = 0; i < kLanes; ++i) any |= pass[i] != 0;
+      if (!any) continue;
+      for (int i = 0; i < kLanes; ++i) {
+        if (pass[i]) keys.push_back(order_key(row[t + i], static_cast<uint32_t>(t + i)));
+      }
+    }
+  }
+  for (; t < len; ++t) {
+    if (bin_at(t) <= last_bin) keys.push_back(order_key(row[t * stride], static_cast<uint32_t>(t)));
+  }
+}
+
+}  // namespace
+
+void indexer_logits(const IndexerParams& p) { Indexer(p).run(); }
+
+void topk_select(const TopkParams& p) {
+  const int threads = detail::num_threads();
+  auto body = [&](int64_t r, int) {
+    const int64_t len = p.lengths[r * p.lengths_stride];
+    const int64_t start = p.starts ? p.starts[r * p.starts_stride] : 0;
+    const float* row = p.logits + r * p.logits_stride[0] + start * p.logits_stride[1];
+    std::vector<uint64_t> keys;
+    select_candidates(row, p.logits_stride[1], len, p.topk, keys);
+    const int64_t n = std::min<int64_t>(p.topk, keys.size());
+    if (n < static_cast<int64_t>(keys.size())) std::nth_element(keys.begin(), keys.begin() + n, keys.end());
+    std::sort(keys.begin(), keys.begin() + n);
+    int32_t* out = p.out + r * p.out_stride[0];
+    for (int64_t i = 0; i < p.topk; ++i) {
+      int32_t v = -1;
+      if (i < n) {
+        const int64_t t = static_cast<uint32_t>(keys[i]);
+        if (p.mode == TopkParams::Mode::relative) {
+          v = static_cast<int32_t>(t);
+        } else if (p.mode == TopkParams::Mode::ragged) {
+          v = static_cast<int32_t>(t + p.offsets[r * p.offsets_stride]);
+        } else {
+          const int64_t b = p.row_to_batch ? p.row_to_batch[r * p.row_to_batch_stride] : r;
+          const int64_t page = p.page_table[b * p.page_table_stride[0] + t / p.page * p.page_table_stride[1]];
+          v = static_cast<int32_t>(page * p.page + t % p.page);
+        }
+      }
+      out[i * p.out_stride[1]] = v;
+    }
+  };
+  detail::parallel_for(p.rows, threads, body);
+}
+
+}  // namespace attnkit::cpu::ATTNKIT_ISA

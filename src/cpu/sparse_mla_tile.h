@@ -1,0 +1,230 @@
+// The sparse MLA tile loop, shared by the prefill (flat kv rows, sparse_mla_fwd.cpp) and the
+// decode (paged caches, dsa_decode_fwd.cpp) drivers. A task is one query row and a block of
+// its heads: a row source lists the row's valid KV rows once, then they are gathered
+// kSlotTile rows at a time, dequantised to fp32 once per (query, tile) and shared by every
+// head of the block as both K (all d_qk columns) and V (the first d_v). Per tile:
+// Sᵀ = KV · Qᵀ, the online softmax, O += P · V, with the same micro-kernels as dense
+// attention. Included by per-ISA sources only.
+//
+// A row source Rows provides: Slot (how a listed row is named), capacity (the most rows
+// list() writes), list(s, slots) -> the valid rows of query row s in order, q_row(s) -> the
+// base of q row s (heads by q_stride[1], columns by q_stride[2]), and load(slot, dst, bf16):
+// the row's d_qk values dequantised into dst and, when bf16 is not null, the same values as
+// bf16 (they must be exact in bf16 there); with Rows::kBf16PV, dst is null on the bf16-dot
+// path (P·V then reads V from the bf16 rows too).
+//
+// Rows::kBf16PV (decode, FlashMLA's numerics): on avx512bf16, P·V also runs on vdpbf16ps, with
+// P rounded to bf16 and the tile's V rows paired along keys; l stays the sum of the unrounded
+// P. The prefill keeps P in fp32.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "attnkit/dtype.h"
+#include "core/thread_pool.h"
+#include "cpu/kernels/convert.h"
+#include "cpu/kernels/gemm.h"
+#include "cpu/kernels/gemm_dot.h"
+#include "cpu/kernels/softmax.h"
+#include "cpu/kernels/workspace.h"
+#include "ops/sparse_mla_params.h"
+
+namespace attnkit::cpu::ATTNKIT_ISA::sparse_tile {
+
+constexpr int64_t kSlotTile = 64;   // gathered kv rows per tile
+constexpr int64_t kHeadBlock = 128; // heads per task (all of DeepSeek-V3.2's per rank)
+constexpr int64_t kTasksPerThread = 2;  // fewer (query, head block) tasks: smaller head blocks
+// On avx512bf16, Sᵀ = KV · Qᵀ runs on bf16 pairs with vdpbf16ps: bf16 and fp8 values are
+// exact in bf16, so the products are exact and only the fp32 summation order changes.
+#if defined(ATTNKIT_ISA_avx512bf16)
+constexpr bool kBf16Dot = true;
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
+struct Plan {
+  int64_t head_block, head_blocks, tasks, rows_pad, d_pad, dv_pad, d_pairs, workspace_floats;
+
+  Plan(const SparseMlaParams& p, int threads) {
+    head_block = p.h_q < kHeadBlock ? p.h_q : kHeadBlock;
+    // Few queries (decode): smaller head blocks keep the threads busy, but no smaller than
+    // needed (each block regathers the row's kv tiles, and narrow Qᵀ tiles run slower); each
+    // head's numbers do not depend on the blocking, so results stay bit-identical.
+    const int64_t min_tasks = kTasksPerThread * threads;
+    while (head_block > 16 && p.s_q * ((p.h_q + head_block - 1) / head_block) < min_tasks) head_block /= 2;
+    head_blocks = (p.h_q + head_block - 1) / head_block;
+    tasks = p.s_q * head_blocks;
+    rows_pad = round_up(head_block, kLanes);
+    d_pad = round_up(p.d_qk, kLanes);
+    dv_pad = round_up(p.d_v, kLanes);  // <= d_pad: V columns are read from the kv tile
+    d_pairs = (p.d_qk + 1) / 2;
+    workspace_floats = p.d_qk * rows_pad       // Qᵀ, scaled
+                       + rows_pad * dv_pad     // output accumulators
+                       + kSlotTile * rows_pad  // Sᵀ, then Pᵀ
+                       + kSlotTile * d_pad     // gathered, dequantised kv rows
+                       + (kBf16Dot ? kSlotTile * d_pairs : 0)  // the same rows as bf16 pairs
+                       + (kBf16Dot ? kSlotTile / 2 * dv_pad : 0)  // V paired along keys (kBf16PV)
+                       + 3 * rows_pad;         // running max, sum, rescale factors
+  }
+};
+
+// The top half of a float that is exactly a bf16 value (bf16 and fp8 inputs are).
+inline uint32_t bf16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u >> 16;
+}
+
+// TQ: q's dtype.
+template <DType TQ, class Rows>
+class SparseMlaTask {
+  using E = typename Elem<TQ>::type;
+  using Slot = typename Rows::Slot;
+  static constexpr bool kBf16PV = kBf16Dot && Rows::kBf16PV;
+
+ public:
+  SparseMlaTask(const SparseMlaParams& p, const Plan& plan, const Rows& rows) : p_(p), plan_(plan), rows_(rows) {}
+
+  void run(int64_t task, float* workspace, Slot* slots) const {
+    const int64_t s = task / plan_.head_blocks;
+    const int64_t h0 = task % plan_.head_blocks * plan_.head_block;
+    const int64_t nh = p_.h_q - h0 < plan_.head_block ? p_.h_q - h0 : plan_.head_block;
+    const int64_t ld = plan_.rows_pad;
+    float* qt = workspace;
+    float* o = qt + p_.d_qk * ld;
+    float* st = o + ld * plan_.dv_pad;
+    float* kv = st + kSlotTile * ld;
+    float* m = kv + kSlotTile * plan_.d_pad;
+    float* l = m + ld;
+    float* alpha = l + ld;
+    uint32_t* kv_pairs = reinterpret_cast<uint32_t*>(alpha + ld);
+
+    const int64_t n_valid = rows_.list(s, slots);
+    pack_qt(s, h0, nh, qt, kv);  // the kv tile is free until the first gather
+    std::memset(o, 0, sizeof(float) * nh * plan_.dv_pad);
+    for (int64_t r = 0; r < ld; ++r) m[r] = -INFINITY, l[r] = 0.0f;
+    for (int64_t t0 = 0; t0 < n_valid; t0 += kSlotTile) {
+      const int64_t bc = n_valid - t0 < kSlotTile ? n_valid - t0 : kSlotTile;
+      gather_rows(slots + t0, bc, kv, kv_pairs);
+#if defined(ATTNKIT_ISA_avx512bf16)  // Sᵀ = KV · Qᵀ on exact bf16 pairs, then the logit scale
+      gemm_bf16<kWideRows, kTallVecs>(bc, ld, plan_.d_pairs, kv_pairs, plan_.d_pairs, 1,
+                                      reinterpret_cast<const uint32_t*>(qt), ld, st, ld, false);
+      const vfloat scale = vbroadcast(p_.logit_scale);
+      for (int64_t i = 0; i < bc * ld; i += kLanes) vstore(st + i, vload(st + i) * scale);
+#else  // Sᵀ = KV · Qᵀ
+      gemm<kWideRows, kTallVecs>(bc, ld, p_.d_qk, kv, plan_.d_pad, 1, qt, ld, st, ld, false);
+#endif
+      online_softmax_tile(st, bc, ld, ld, m, l, alpha);
+      for (int64_t r = 0; r < nh; ++r) {
+        if (alpha[r] != 1.0f) scale_row(o + r * plan_.dv_pad, plan_.dv_pad, alpha[r]);
+      }
+#if defined(ATTNKIT_ISA_avx512bf16)
+      if constexpr (kBf16PV) {  // O += P · V on bf16 pairs of keys
+        uint32_t* p_pairs = reinterpret_cast<uint32_t*>(st);
+        uint32_t* v_pairs = kv_pairs + kSlotTile * plan_.d_pairs;
+        pair_rows_bf16(st, bc, ld, p_pairs);
+        const uint16_t* v = reinterpret_cast<const uint16_t*>(kv_pairs);
+        const int64_t row = 2 * plan_.d_pairs;
+        for (int64_t k = 0; k < (bc + 1) / 2; ++k) {
+          interleave_bf16_rows(v + 2 * k * row, 2 * k + 1 < bc ? v + (2 * k + 1) * row : nullptr, 1, p_.d_v,
+                               plan_.dv_pad, v_pairs + k * plan_.dv_pad);
+        }
+        gemm_bf16<kTallRows, kTallVecs>(nh, plan_.dv_pad, (bc + 1) / 2, p_pairs, 1, ld, v_pairs, plan_.dv_pad, o,
+                                        plan_.dv_pad, true);
+        continue;
+      }
+#endif
+      gemm<kTallRows, kTallVecs>(nh, plan_.dv_pad, bc, st, 1, ld, kv, plan_.d_pad, o, plan_.dv_pad,
+                                 true);  // O += P · V
+    }
+    write_out(s, h0, nh, n_valid, o, m, l);
+  }
+
+ private:
+  // Qᵀ [d_qk][rows_pad] of heads h0 .. h0+nh-1, dequantised and scaled by sm_scale ·
+  // q_scale · kv_scale so that Sᵀ holds the logits; padding heads are zero.
+  // `row` is scratch for one dequantised row (vector conversion, then a transposed copy).
+  // On the bf16-dot path Qᵀ holds unscaled bf16 pairs (exact) instead.
+  void pack_qt(int64_t s, int64_t h0, int64_t nh, float* qt, float* row) const {
+    const int64_t ld = plan_.rows_pad;
+    std::memset(qt, 0, sizeof(float) * p_.d_qk * ld);
+    const E* base = static_cast<const E*>(rows_.q_row(s));
+    for (int64_t r = 0; r < nh; ++r) {
+      load_row<TQ>(base + (h0 + r) * p_.q_stride[1], p_.q_stride[2], p_.d_qk, kBf16Dot ? 1.0f : p_.logit_scale, row);
+      if constexpr (kBf16Dot) {
+        uint32_t* qtp = reinterpret_cast<uint32_t*>(qt);
+        for (int64_t d = 0; d < p_.d_qk; d += 2) {
+          qtp[d / 2 * ld + r] = bf16_bits(row[d]) | (d + 1 < p_.d_qk ? bf16_bits(row[d + 1]) << 16 : 0u);
+        }
+      } else {
+        for (int64_t d = 0; d < p_.d_qk; ++d) qt[d * ld + r] = row[d];
+      }
+    }
+  }
+
+  // The listed rows, dequantised (without kv_scale, applied to logits and output instead),
+  // zero-padded to d_pad columns; on the bf16-dot path also as bf16 pairs
+  // (kv_pairs [n][d_pairs]).
+  void gather_rows(const Slot* slots, int64_t n, float* kv, uint32_t* kv_pairs) const {
+    for (int64_t j = 0; j < n; ++j) {
+      float* dst = kv + j * plan_.d_pad;
+      uint16_t* pairs = kBf16Dot ? reinterpret_cast<uint16_t*>(kv_pairs + j * plan_.d_pairs) : nullptr;
+      if constexpr (kBf16PV) {
+        rows_.load(slots[j], nullptr, pairs);
+      } else {
+        rows_.load(slots[j], dst, pairs);
+        for (int64_t d = p_.d_qk; d < plan_.d_pad; ++d) dst[d] = 0.0f;
+      }
+      if (kBf16Dot && p_.d_qk % 2) pairs[p_.d_qk] = 0;
+    }
+  }
+
+  // out = O · kv_scale / (l + e^(sink - m)); max_logits = m; lse = m + log(l). A row with
+  // no valid slot: out 0, max_logits -inf, lse +inf. NaN anywhere in a row reaches all three.
+  // max_logits may be null (the decode op does not return it).
+  void write_out(int64_t s, int64_t h0, int64_t nh, int64_t n_valid, const float* o, const float* m,
+                 const float* l) const {
+    for (int64_t r = 0; r < nh; ++r) {
+      const int64_t h = h0 + r;
+      uint16_t* dst = p_.out + (s * p_.h_q + h) * p_.d_v;
+      float* max_logit = p_.max_logits ? p_.max_logits + s * p_.h_q + h : nullptr;
+      float* lse = p_.lse + s * p_.h_q + h;
+      if (n_valid == 0) {
+        std::memset(dst, 0, sizeof(uint16_t) * p_.d_v);  // bf16 +0
+        if (max_logit) *max_logit = -INFINITY;
+        *lse = INFINITY;
+        continue;
+      }
+      float denom = l[r];
+      if (p_.attn_sink) denom += std::exp(p_.attn_sink[h * p_.attn_sink_stride] - m[r]);
+      const float factor = p_.kv_scale / denom;
+      const float* acc = o + r * plan_.dv_pad;
+      for (int64_t d = 0; d < p_.d_v; ++d) dst[d] = float_to_bfloat16(acc[d] * factor);
+      const bool nan = std::isnan(l[r]);
+      if (max_logit) *max_logit = nan ? l[r] : m[r];
+      *lse = m[r] + std::log(l[r]);
+    }
+  }
+
+  const SparseMlaParams& p_;
+  const Plan& plan_;
+  const Rows& rows_;
+};
+
+// Runs every (query row, head block) task of p over the rows of `rows`.
+template <DType TQ, class Rows>
+void run(const SparseMlaParams& p, const Rows& rows) {
+  const int threads = detail::num_threads();
+  const Plan plan(p, threads);
+  AlignedBuffer<float> workspace(plan.workspace_floats * threads);
+  AlignedBuffer<typename Rows::Slot> slots(rows.capacity * threads);
+  const SparseMlaTask<TQ, Rows> task(p, plan, rows);
+  auto body = [&](int64_t t, int thread) {
+    task.run(t, workspace.data + plan.workspace_floats * thread, slots.data + rows.capacity * thread);
+  };
+  detail::parallel_for(plan.tasks, threads, body);
+}
+
+}  // namespace attnkit::cpu::ATTNKIT_ISA::sparse_tile
