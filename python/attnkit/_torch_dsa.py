@@ -4,6 +4,7 @@ tensor that reaches attnkit.dsa. Outputs are caller buffers (mutated arguments).
 
 import torch
 
+from ._torch_ops import register_grad_refusal
 from .dsa import run_flash_mla, run_mqa_logits, run_paged_mqa_logits, run_topk
 
 _LIB = torch.library.Library("attnkit", "FRAGMENT")
@@ -18,6 +19,7 @@ def _no_result_fake(*args):
 
 _LIB.impl("flash_mla_with_kvcache", run_flash_mla, "CPU")
 torch.library.register_fake("attnkit::flash_mla_with_kvcache", _no_result_fake, lib=_LIB)
+register_grad_refusal("flash_mla_with_kvcache", _LIB)
 
 
 def flash_mla_with_kvcache(*args):
@@ -47,6 +49,7 @@ for _name, _impl in (("fp8_mqa_logits", _mqa_logits_impl), ("fp8_mqa_topk", _mqa
                      ("fp8_paged_mqa_logits", run_paged_mqa_logits), ("topk_transform", run_topk)):
     _LIB.impl(_name, _impl, "CPU")
     torch.library.register_fake(f"attnkit::{_name}", _no_result_fake, lib=_LIB)
+    register_grad_refusal(_name, _LIB)
 
 
 def mqa_logits(*args):
