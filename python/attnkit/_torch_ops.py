@@ -15,8 +15,11 @@ from .sparse_mla import run_sparse_mla
 _LIB = torch.library.Library("attnkit", "DEF")
 _ARGS = ("Tensor q, Tensor k, Tensor v, Tensor? attn_mask, int causal, float? scale, "
          "float dropout_p, int? seed, bool enable_gqa, str layout")
-_LIB.define(f"attention({_ARGS}) -> (Tensor, Tensor)")
-_LIB.define(f"attention_out({_ARGS}, Tensor(a!) out, Tensor(b!)? lse) -> ()")
+# The score modifiers, keyword-only with defaults (window -1: unbounded).
+_MODS = ("int window_left=-1, int window_right=-1, float? softcap=None, Tensor? alibi_slopes=None, "
+         "Tensor? sinks=None")
+_LIB.define(f"attention({_ARGS}, *, {_MODS}) -> (Tensor, Tensor)")
+_LIB.define(f"attention_out({_ARGS}, Tensor(a!) out, Tensor(b!)? lse, *, {_MODS}) -> ()")
 
 
 def _seed_to_op(seed):
@@ -27,28 +30,30 @@ def _seed_from_op(seed):
     return None if seed is None else seed % 2**64
 
 
-def _attention_impl(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout):
+def _attention_impl(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout, *,
+                    window_left=-1, window_right=-1, softcap=None, alibi_slopes=None, sinks=None):
     out_shape, lse_shape = attention_shapes(q, k, v, layout)
     out = torch.empty(out_shape, dtype=q.dtype)
     lse = torch.empty(lse_shape, dtype=torch.float32)
     run_attention(q, k, v, attn_mask, causal, scale, dropout_p, _seed_from_op(seed), enable_gqa,
-                  layout, out, lse)
+                  layout, out, lse, (window_left, window_right), softcap, alibi_slopes, sinks)
     return out, lse
 
 
-def _attention_fake(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout):
+def _attention_fake(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout, **mods):
     out_shape, lse_shape = attention_shapes(q, k, v, layout)
     return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 def _attention_out_impl(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout,
-                        out, lse):
+                        out, lse, *, window_left=-1, window_right=-1, softcap=None,
+                        alibi_slopes=None, sinks=None):
     run_attention(q, k, v, attn_mask, causal, scale, dropout_p, _seed_from_op(seed), enable_gqa,
-                  layout, out, lse)
+                  layout, out, lse, (window_left, window_right), softcap, alibi_slopes, sinks)
 
 
 def _attention_out_fake(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout,
-                        out, lse):
+                        out, lse, **mods):
     return None
 
 
@@ -84,18 +89,20 @@ def sparse_mla(strict, *args):
 
 
 _LIB.define("sage_attention(Tensor q, Tensor k, Tensor v, int causal, float? scale, str layout, "
-            "str mode) -> (Tensor, Tensor)")
+            f"str mode, *, {_MODS}) -> (Tensor, Tensor)")
 
 
-def _sage_impl(q, k, v, causal, scale, layout, mode):
+def _sage_impl(q, k, v, causal, scale, layout, mode, *, window_left=-1, window_right=-1,
+               softcap=None, alibi_slopes=None, sinks=None):
     out_shape, lse_shape = attention_shapes(q, k, v, layout)
     out = torch.empty(out_shape, dtype=q.dtype)
     lse = torch.empty(lse_shape, dtype=torch.float32)
-    run_sage(q, k, v, causal, scale, layout, mode, out, lse)
+    run_sage(q, k, v, causal, scale, layout, mode, out, lse, (window_left, window_right), softcap,
+             alibi_slopes, sinks)
     return out, lse
 
 
-def _sage_fake(q, k, v, causal, scale, layout, mode):
+def _sage_fake(q, k, v, causal, scale, layout, mode, **mods):
     out_shape, lse_shape = attention_shapes(q, k, v, layout)
     return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
 
@@ -104,10 +111,17 @@ _LIB.impl("sage_attention", _sage_impl, "CPU")
 torch.library.register_fake("attnkit::sage_attention", _sage_fake, lib=_LIB)
 
 
-def sage_attention(q, k, v, causal, scale, layout, mode):
+def sage_attention(q, k, v, causal, scale, layout, mode, window=(-1, -1), softcap=None,
+                   alibi_slopes=None, sinks=None):
     """The torch path of attnkit.sage_attention: (out, lse)."""
     return torch.ops.attnkit.sage_attention(q, k, v, causal, None if scale is None else float(scale),
-                                            layout, mode)
+                                            layout, mode, **_mods(window, softcap, alibi_slopes, sinks))
+
+
+def _mods(window, softcap, alibi_slopes, sinks):
+    """The modifier keywords of the ops' schemas."""
+    return dict(window_left=window[0], window_right=window[1], softcap=softcap,
+                alibi_slopes=alibi_slopes, sinks=sinks)
 
 
 _LIB.impl("attention", _attention_impl, "CPU")
@@ -117,17 +131,18 @@ torch.library.register_fake("attnkit::attention_out", _attention_out_fake, lib=_
 
 
 def attention(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout, return_lse,
-              out):
+              out, window=(-1, -1), softcap=None, alibi_slopes=None, sinks=None):
     """The torch path of attnkit.attention (arguments already checked for kind)."""
     scale = None if scale is None else float(scale)
     seed = _seed_to_op(seed)
+    mods = _mods(window, softcap, alibi_slopes, sinks)
     if out is None:
         out, lse = torch.ops.attnkit.attention(q, k, v, attn_mask, causal, scale,
-                                               float(dropout_p), seed, enable_gqa, layout)
+                                               float(dropout_p), seed, enable_gqa, layout, **mods)
         return (out, lse) if return_lse else out
     lse = None
     if return_lse:
         lse = torch.empty(attention_shapes(q, k, v, layout)[1], dtype=torch.float32)
     torch.ops.attnkit.attention_out(q, k, v, attn_mask, causal, scale, float(dropout_p), seed,
-                                    enable_gqa, layout, out, lse)
+                                    enable_gqa, layout, out, lse, **mods)
     return (out, lse) if return_lse else out

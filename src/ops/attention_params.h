@@ -24,10 +24,19 @@ struct AttentionParams {
   int64_t B, Hq, Hkv, Sq, Skv, D, Dv;
   int64_t group;                // Hq / Hkv: query head h reads kv head h / group
   bool causal;
-  int64_t causal_offset;        // when causal: key j is visible to query i iff j <= i + offset
+  int64_t causal_offset;        // query i is aligned to key position i + offset (causal: sees keys j <= i + offset)
   float scale;                  // softmax scale applied to q·k
   float dropout_p;              // 0 disables dropout
   uint64_t seed = 0;            // dropout stream key
+  // Score modifiers. The aligned query a = i + causal_offset sees keys a - window_left <= j
+  // <= a + window_right; -1 is unbounded (also any window reaching past every key; and
+  // window_right under causal, whose limit is tighter).
+  int64_t window_left = -1, window_right = -1;
+  float softcap = 0.0f;         // > 0: s -> softcap·tanh(s / softcap) after the scale; 0 disables
+  const float* alibi_slopes = nullptr;  // slope of (b, h) at b * alibi_stride[0] + h * alibi_stride[1]
+  int64_t alibi_stride[2] = {0, 0};
+  const float* sinks = nullptr;  // sink logit of head h at h * sinks_stride
+  int64_t sinks_stride = 0;
 };
 
 namespace detail {
