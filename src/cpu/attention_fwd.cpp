@@ -712,32 +712,35 @@ class AttentionTask {
   // Row-major (decode) tiles are done in whole vectors of keys; the caller masks the lanes
   // past bc afterwards.
   void apply_score_mods(const RowBlock& rb, int64_t j0, int64_t bc, const Scores& st, const Workspace& w) const {
-    if (p_.softcap == 0.0f && !p_.alibi_slopes) return;
+    // Locals, not p_'s fields: stores to the tile could alias them, which would reload them per vector.
+    const float softcap = p_.softcap;
+    const float* const slopes = p_.alibi_slopes;
+    if (softcap == 0.0f && !slopes) return;
     const bool transposed = st.row_stride == 1;  // Sᵀ of the tile loop, rows along the lanes
     const int64_t rows = transposed ? plan_.rows_pad : rb.rows;
-    if (p_.alibi_slopes) {  // per row: its slope, and a - j0 (exact in float below 2^24)
+    if (slopes) {  // per row: its slope, and a - j0 (exact in float below 2^24)
       for (int64_t r = 0; r < rows; ++r) {
         const bool real = r < rb.rows;
         const int64_t h = rb.h0 + r / rb.nq, a = rb.i0 + r % rb.nq + key_offset(rb);
-        w.slope[r] = real ? p_.alibi_slopes[rb.b * p_.alibi_stride[0] + h * p_.alibi_stride[1]] : 0.0f;
+        w.slope[r] = real ? slopes[rb.b * p_.alibi_stride[0] + h * p_.alibi_stride[1]] : 0.0f;
         w.dist[r] = real ? static_cast<float>(a - j0) : 0.0f;
       }
     }
-    const bool shifted = kq_ && p_.softcap != 0.0f;
-    const vfloat cap = vbroadcast(p_.softcap), inv_cap = vbroadcast(1.0f / p_.softcap);
-    auto modify = [&](vfloat s, vfloat slope, vfloat dist) {
-      if (p_.softcap != 0.0f) s = vtanh(s * inv_cap) * cap;
-      if (p_.alibi_slopes) s -= slope * (vfloat)((vint)dist & 0x7FFFFFFF);
+    const bool shifted = kq_ && softcap != 0.0f;
+    const vfloat cap = vbroadcast(softcap), inv_cap = vbroadcast(1.0f / softcap);
+    auto modify = [=](vfloat s, vfloat slope, vfloat dist) {
+      if (softcap != 0.0f) s = vtanh(s * inv_cap) * cap;
+      if (slopes) s -= slope * (vfloat)((vint)dist & 0x7FFFFFFF);  // slope·|a - j|
       return s;
     };
     if (transposed) {
       const int64_t ld = st.key_stride;
       for (int64_t r = 0; r < rows; r += kLanes) {
-        const vfloat slope = vload(w.slope + r), shift = shifted ? vload(w.shift + r) : vfloat{};
-        const vfloat dist0 = p_.alibi_slopes ? vload(w.dist + r) : vfloat{};
+        const vfloat slope = slopes ? vload(w.slope + r) : vfloat{}, dist0 = slopes ? vload(w.dist + r) : vfloat{};
+        const vfloat shift = shifted ? vload(w.shift + r) : vfloat{};
         for (int64_t j = 0; j < bc; ++j) {
           float* s = st.s + j * ld + r;
-          vstore(s, modify(vload(s) + shift, slope, dist0 - static_cast<float>(j)));
+          vstore(s, modify(shifted ? vload(s) + shift : vload(s), slope, dist0 - static_cast<float>(j)));
         }
       }
       return;
@@ -745,8 +748,8 @@ class AttentionTask {
     vfloat lane{};
     for (int i = 0; i < kLanes; ++i) lane[i] = static_cast<float>(i);
     for (int64_t r = 0; r < rows; ++r) {
-      const vfloat slope = vbroadcast(p_.alibi_slopes ? w.slope[r] : 0.0f);
-      const vfloat dist0 = vbroadcast(p_.alibi_slopes ? w.dist[r] : 0.0f) - lane;
+      const vfloat slope = vbroadcast(slopes ? w.slope[r] : 0.0f);
+      const vfloat dist0 = vbroadcast(slopes ? w.dist[r] : 0.0f) - lane;
       for (int64_t j = 0; j < bc; j += kLanes) {
         float* s = st.s + r * st.row_stride + j;
         vstore(s, modify(vload(s), slope, dist0 - static_cast<float>(j)));

@@ -312,3 +312,49 @@ def test_sage_fp4_refuses_them(rng, kw, name):
         attnkit.sage_attention(q, k, v, mode="fp4", **kw)
     with pytest.raises(ValueError, match="softcap must be a finite number > 0"):
         attnkit.sage_attention(q, k, v, softcap=-1.0)
+
+
+# SGLang-shaped backends: the modifiers are impl extras; a backend that cannot honour one
+# refuses it in validate (and so at construction).
+def test_backends_validate_modifiers():
+    from attnkit.backends import AttentionConfig, SageAttention3Backend, SageAttentionBackend, SDPABackend
+
+    def cfg(**kw):
+        return AttentionConfig(head_size=64, num_heads=8, num_kv_heads=8, dtype="float32", **kw)
+
+    every = dict(window=(128, 0), softcap=30.0, alibi=True, sinks=True)
+    assert cfg(**every).modifiers == ("window", "softcap", "alibi", "sinks")
+    assert cfg(window=(-1, -1)).modifiers == ()
+    assert SDPABackend.validate(cfg(**every)) == []
+    assert SageAttentionBackend.validate(cfg(**every)) == []
+    mha = SageAttention3Backend.validate(cfg(**every))
+    assert len([r for r in mha if "for MHA" in r and "no score modifiers" in r]) == 4, mha
+    gqa = AttentionConfig(head_size=64, num_heads=8, num_kv_heads=2, dtype="float32", **every)
+    assert SageAttention3Backend.validate(gqa) == []  # the exact fallback honours them
+    bad = SDPABackend.validate(cfg(window=(-3, 0), softcap=0.0))
+    assert any("window must be None or a pair" in r and "(-3, 0)" in r for r in bad), bad
+    assert any("softcap must be a finite float > 0" in r for r in bad), bad
+    assert "window=(128, 0)" in SDPABackend.refusal_message(cfg(**every), ["x"])
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_backends_honour_modifiers(rng, kind):
+    """SDPA and SageAttention3's GQA fallback give attnkit.attention's result bit for bit;
+    Sage int8 meets its accuracy contract; SageAttention3 MHA refuses at construction."""
+    from attnkit.backends import SageAttention3Backend, SageAttentionBackend, SDPABackend
+
+    B, S, Hq, Hkv, D = 1, 150, 8, 2, 64
+    q, k, v = (x.transpose(0, 2, 1, 3).copy() for x in make_qkv(rng, B, Hq, Hkv, S, S, D, D))
+    slopes, sinks = make_slopes(rng, B, Hq), make_sinks(rng, Hq, specials=False)
+    if kind == "torch":
+        q, k, v, slopes, sinks = map(to_torch, (q, k, v, slopes, sinks))
+    mods = dict(window=(40, 0), softcap=5.0, alibi_slopes=slopes, sinks=sinks)
+    args = dict(num_heads=Hq, head_size=D, causal=True, softmax_scale=None, num_kv_heads=Hkv, **mods)
+    want = attnkit.attention(q, k, v, causal=True, enable_gqa=True, layout="BSHD", **mods)
+    assert_bits_equal(SDPABackend.get_impl_cls()(**args).forward(q, k, v), want)
+    assert_bits_equal(SageAttention3Backend.get_impl_cls()(**args).forward(q, k, v), want)
+    got = SageAttentionBackend.get_impl_cls()(**args).forward(q, k, v)
+    g, r = (np.asarray(x, np.float64).ravel() for x in (got, want))
+    assert g @ r / (np.linalg.norm(g) * np.linalg.norm(r)) >= COS_MIN
+    with pytest.raises(ValueError, match="sinks is not supported by SageAttention3Backend for MHA"):
+        SageAttention3Backend.get_impl_cls()(**dict(args, num_kv_heads=Hq))
