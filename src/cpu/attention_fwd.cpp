@@ -293,14 +293,16 @@ class AttentionTask {
 
   // Keys [begin, end) that some row of the block can see: up to the causal limit or the
   // window's right edge of its last row, from the window's left edge of its first row
-  // rounded down to a tile border (tiles, dropout draws and sage's K scales are aligned to
-  // them). Tiles wholly outside are never visited, so a window costs O(Sq · window).
+  // rounded down to a multiple of 4 (one dropout draw covers 4 keys), or for sage to a tile
+  // border (its K scales and V pairs are per tile). Keys outside are never visited, so a
+  // window costs O(Sq · window).
   KeyRange visible_keys(const RowBlock& rb) const {
     const int64_t first = rb.i0 + key_offset(rb), last = first + rb.nq - 1;  // aligned positions
+    const int64_t align = plan_.int8 ? kKvTile : 4;
     KeyRange keys{0, p_.Skv};
     if (p_.causal && last + 1 < keys.end) keys.end = last + 1;
     if (p_.window_right >= 0 && last + p_.window_right + 1 < keys.end) keys.end = last + p_.window_right + 1;
-    if (p_.window_left >= 0 && first - p_.window_left > 0) keys.begin = (first - p_.window_left) / kKvTile * kKvTile;
+    if (p_.window_left >= 0 && first - p_.window_left > 0) keys.begin = (first - p_.window_left) / align * align;
     if (keys.end < keys.begin) keys.end = keys.begin;
     return keys;
   }
@@ -718,18 +720,20 @@ class AttentionTask {
     if (softcap == 0.0f && !slopes) return;
     const bool transposed = st.row_stride == 1;  // Sᵀ of the tile loop, rows along the lanes
     const int64_t rows = transposed ? plan_.rows_pad : rb.rows;
-    if (slopes) {  // per row: its slope, and a - j0 (exact in float below 2^24)
-      for (int64_t r = 0; r < rows; ++r) {
-        const bool real = r < rb.rows;
-        const int64_t h = rb.h0 + r / rb.nq, a = rb.i0 + r % rb.nq + key_offset(rb);
-        w.slope[r] = real ? slopes[rb.b * p_.alibi_stride[0] + h * p_.alibi_stride[1]] : 0.0f;
-        w.dist[r] = real ? static_cast<float>(a - j0) : 0.0f;
+    if (slopes) {  // per row (head hh, position i0 + ii): its slope, and a - j0 (exact in float below 2^24)
+      for (int64_t hh = 0, r = 0; hh < rb.nh; ++hh) {
+        const float slope = slopes[rb.b * p_.alibi_stride[0] + (rb.h0 + hh) * p_.alibi_stride[1]];
+        for (int64_t ii = 0; ii < rb.nq; ++ii, ++r) {
+          w.slope[r] = slope;
+          w.dist[r] = static_cast<float>(rb.i0 + ii + key_offset(rb) - j0);
+        }
       }
+      for (int64_t r = rb.rows; r < rows; ++r) w.slope[r] = 0.0f, w.dist[r] = 0.0f;  // padding rows
     }
     const bool shifted = kq_ && softcap != 0.0f;
     const vfloat cap = vbroadcast(softcap), inv_cap = vbroadcast(1.0f / softcap);
     auto modify = [=](vfloat s, vfloat slope, vfloat dist) {
-      if (softcap != 0.0f) s = vtanh(s * inv_cap) * cap;
+      if (softcap != 0.0f) s = vsoftcap(s, cap, inv_cap);
       if (slopes) s -= slope * (vfloat)((vint)dist & 0x7FFFFFFF);  // slope·|a - j|
       return s;
     };
