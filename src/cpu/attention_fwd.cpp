@@ -88,13 +88,21 @@ struct Plan {
     // least kMinSplitTiles tiles per split; the partial softmax states are merged exactly.
     // The split depends on the shape only, never on the thread count, so results are
     // bit-identical for any number of threads.
+    // With a window a row block sees at most `span` keys from its first visible one (run()
+    // splits from there), so the splits share the window, not all Skv keys.
+    int64_t span = p.Skv;
+    if (p.window_left >= 0) {
+      const int64_t right = p.causal ? 0 : (p.window_right >= 0 ? p.window_right : p.Skv);
+      const int64_t most_keys = p.window_left + positions_per_task + right + kKvTile;  // + visible_keys' rounding
+      span = most_keys < p.Skv ? most_keys : p.Skv;
+    }
     kv_splits = 1;
     if (row_blocks < kMinParallelTasks) {
       const int64_t want = (kMinParallelTasks + row_blocks - 1) / row_blocks;
-      const int64_t most = p.Skv / (kMinSplitTiles * kKvTile);
+      const int64_t most = span / (kMinSplitTiles * kKvTile);
       kv_splits = want < most ? want : (most > 1 ? most : 1);
     }
-    kv_split_len = round_up((p.Skv + kv_splits - 1) / kv_splits, kKvTile);
+    kv_split_len = round_up((span + kv_splits - 1) / kv_splits, kKvTile);
     tasks = row_blocks * kv_splits;
 
     const int64_t rows = heads_per_task * positions_per_task;
@@ -243,10 +251,9 @@ class AttentionTask {
     const int64_t split = task % plan_.kv_splits;
     Workspace w(workspace, plan_, p_);
     const KeyRange keys = visible_keys(rb);
-    const int64_t split_begin = split * plan_.kv_split_len;
-    const int64_t begin = split_begin > keys.begin ? split_begin : keys.begin;
+    const int64_t split_begin = keys.begin + split * plan_.kv_split_len;
     const int64_t end = split_begin + plan_.kv_split_len < keys.end ? split_begin + plan_.kv_split_len : keys.end;
-    attend(rb, begin, end < begin ? begin : end, w);
+    attend(rb, split_begin, end < split_begin ? split_begin : end, w);
     if (plan_.kv_splits == 1) {
       write_out(rb, w.o, w.m, w.l, w.v);
       return;

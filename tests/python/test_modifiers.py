@@ -106,12 +106,13 @@ def test_window_edges_tile_loop(rng, isa, left, right, causal):
 
 
 @pytest.mark.parametrize("Sq", [1, 3, 8])
-@pytest.mark.parametrize("left", LEFTS + [600, 1100])
+@pytest.mark.parametrize("left", LEFTS + [600, 1100, 1700])
 @pytest.mark.parametrize("right", [0, -1])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_window_edges_decode_and_splits(rng, isa, Sq, left, right, dtype):
-    """Few rows per task (decode's key blocks) and one row block, so 2100 keys are split in
-    4 ranges and merged: windows end in the last range, or cross range borders."""
+    """Few rows per task (decode's key blocks) and one row block, so the keys are split in
+    ranges of >= 512 and merged: 4 over all 2100 keys, or as many as the window's span holds
+    (1100: 2, 1700: 3), counted from the block's first visible key."""
     q, k, v = make_qkv(rng, 1, 1, 1, Sq, 2100, 64, 64, dtype)
     check(q, k, v, dtype, causal=False, window=(left, right))
     check(q, k, v, dtype, causal="bottom_right", window=(left, right),
