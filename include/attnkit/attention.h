@@ -35,6 +35,14 @@ struct AttentionArgs {
   std::optional<uint64_t> seed;    // dropout seed; none draws a fresh one
   bool enable_gqa = false;         // allow Hq != Hkv (Hq a multiple of Hkv)
   Layout layout = Layout::BHSD;
+
+  // Score modifiers (FlashAttention's conventions). They combine with each other, attn_mask,
+  // causal and GQA. Query i is aligned to key position i + Skv - Sq (bottom-right), or to i
+  // with causal top_left, as the causal limit aligns it.
+  int64_t window_left = -1, window_right = -1;  // aligned query a sees keys a-left <= j <= a+right; -1: unbounded
+  std::optional<double> softcap;           // c > 0, finite: s -> c·tanh(s / c) after the scale, before masks
+  std::optional<TensorView> alibi_slopes;  // float32 [Hq] or [B, Hq]: adds -slope·|a - j| to the scores
+  std::optional<TensorView> sinks;         // float32 [Hq]: a logit in the softmax denominator only (not in lse)
 };
 
 // Computes out (and lse) for args; throws attnkit::Error on invalid arguments. Never

@@ -22,6 +22,10 @@ struct SageArgs {
   std::optional<double> scale;
   Layout layout = Layout::BHSD;
   SageMode mode = SageMode::int8;
+  // Score modifiers as in AttentionArgs, honoured by mode int8; mode fp4 refuses them.
+  int64_t window_left = -1, window_right = -1;
+  std::optional<double> softcap;
+  std::optional<TensorView> alibi_slopes, sinks;
 };
 
 void sage_attention(const SageArgs& args);

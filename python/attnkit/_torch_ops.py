@@ -23,8 +23,11 @@ from .sparse_mla import run_sparse_mla
 _LIB = torch.library.Library("attnkit", "DEF")
 _ARGS = ("Tensor q, Tensor k, Tensor v, Tensor? attn_mask, int causal, float? scale, "
          "float dropout_p, int? seed, bool enable_gqa, str layout")
-_LIB.define(f"attention({_ARGS}) -> (Tensor, Tensor)")
-_LIB.define(f"attention_out({_ARGS}, Tensor(a!) out, Tensor(b!)? lse) -> ()")
+# The score modifiers, keyword-only with defaults (window -1: unbounded).
+_MODS = ("int window_left=-1, int window_right=-1, float? softcap=None, Tensor? alibi_slopes=None, "
+         "Tensor? sinks=None")
+_LIB.define(f"attention({_ARGS}, *, {_MODS}) -> (Tensor, Tensor)")
+_LIB.define(f"attention_out({_ARGS}, Tensor(a!) out, Tensor(b!)? lse, *, {_MODS}) -> ()")
 
 
 def _seed_to_op(seed):
@@ -59,28 +62,30 @@ def eager(tensors) -> bool:
     return True
 
 
-def _attention_impl(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout):
+def _attention_impl(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout, *,
+                    window_left=-1, window_right=-1, softcap=None, alibi_slopes=None, sinks=None):
     out_shape, lse_shape = attention_shapes(q, k, v, layout)
     out = q.new_empty(out_shape)
     lse = q.new_empty(lse_shape, dtype=torch.float32)
     run_attention(q, k, v, attn_mask, causal, scale, dropout_p, _seed_from_op(seed), enable_gqa,
-                  layout, out, lse)
+                  layout, out, lse, (window_left, window_right), softcap, alibi_slopes, sinks)
     return out, lse
 
 
-def _attention_fake(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout):
+def _attention_fake(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout, **mods):
     out_shape, lse_shape = attention_shapes(q, k, v, layout)
     return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 def _attention_out_impl(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout,
-                        out, lse):
+                        out, lse, *, window_left=-1, window_right=-1, softcap=None,
+                        alibi_slopes=None, sinks=None):
     run_attention(q, k, v, attn_mask, causal, scale, dropout_p, _seed_from_op(seed), enable_gqa,
-                  layout, out, lse)
+                  layout, out, lse, (window_left, window_right), softcap, alibi_slopes, sinks)
 
 
 def _attention_out_fake(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout,
-                        out, lse):
+                        out, lse, **mods):
     return None
 
 
@@ -116,18 +121,20 @@ def sparse_mla(strict, *args):
 
 
 _LIB.define("sage_attention(Tensor q, Tensor k, Tensor v, int causal, float? scale, str layout, "
-            "str mode) -> (Tensor, Tensor)")
+            f"str mode, *, {_MODS}) -> (Tensor, Tensor)")
 
 
-def _sage_impl(q, k, v, causal, scale, layout, mode):
+def _sage_impl(q, k, v, causal, scale, layout, mode, *, window_left=-1, window_right=-1,
+               softcap=None, alibi_slopes=None, sinks=None):
     out_shape, lse_shape = attention_shapes(q, k, v, layout)
     out = q.new_empty(out_shape)
     lse = q.new_empty(lse_shape, dtype=torch.float32)
-    run_sage(q, k, v, causal, scale, layout, mode, out, lse)
+    run_sage(q, k, v, causal, scale, layout, mode, out, lse, (window_left, window_right), softcap,
+             alibi_slopes, sinks)
     return out, lse
 
 
-def _sage_fake(q, k, v, causal, scale, layout, mode):
+def _sage_fake(q, k, v, causal, scale, layout, mode, **mods):
     out_shape, lse_shape = attention_shapes(q, k, v, layout)
     return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
 
@@ -136,9 +143,17 @@ _LIB.impl("sage_attention", _sage_impl, "CPU")
 torch.library.register_fake("attnkit::sage_attention", _sage_fake, lib=_LIB)
 
 
-def sage_attention(q, k, v, causal, scale, layout, mode):
+def sage_attention(q, k, v, causal, scale, layout, mode, window=(-1, -1), softcap=None,
+                   alibi_slopes=None, sinks=None):
     """The torch path of attnkit.sage_attention: (out, lse)."""
-    return torch.ops.attnkit.sage_attention(q, k, v, causal, scale, layout, mode)
+    return torch.ops.attnkit.sage_attention(q, k, v, causal, scale, layout, mode,
+                                            **_mods(window, softcap, alibi_slopes, sinks))
+
+
+def _mods(window, softcap, alibi_slopes, sinks):
+    """The modifier keywords of the ops' schemas."""
+    return dict(window_left=window[0], window_right=window[1], softcap=softcap,
+                alibi_slopes=alibi_slopes, sinks=sinks)
 
 
 _LIB.impl("attention", _attention_impl, "CPU")
@@ -166,11 +181,11 @@ for _name in ("attention", "attention_out", "sage_attention", "sparse_mla_prefil
 
 
 def attention(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout, return_lse,
-              out):
+              out, window=(-1, -1), softcap=None, alibi_slopes=None, sinks=None):
     """The torch path of attnkit.attention (arguments already checked for kind and value)."""
-    if eager((q, k, v, attn_mask, out)):
+    if eager((q, k, v, attn_mask, out, alibi_slopes, sinks)):
         check_no_grad("attnkit.attention", (("q", q), ("k", k), ("v", v), ("attn_mask", attn_mask),
-                                            ("out", out)))
+                                            ("out", out), ("alibi_slopes", alibi_slopes), ("sinks", sinks)))
         # run_attention's call, each tensor's shape read once and a new out described
         # without asking torch (each tensor attribute read costs ~0.2 us)
         tq, tk, tv = typed(q, "q"), typed(k, "k"), typed(v, "v")
@@ -184,16 +199,18 @@ def attention(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, la
         lse = q.new_empty(lse_shape, dtype=torch.float32) if return_lse else None
         _C.attention(tq, tk, tv, t_out, None if lse is None else typed(lse, "lse", "float32"),
                      typed_or_none(attn_mask, "attn_mask", MASK), causal, scale, dropout_p, seed,
-                     enable_gqa, layout)
+                     enable_gqa, layout, window[0], window[1], softcap,
+                     typed_or_none(alibi_slopes, "alibi_slopes", "float32"), typed_or_none(sinks, "sinks", "float32"))
         return (out, lse) if return_lse else out
     seed = _seed_to_op(seed)
+    mods = _mods(window, softcap, alibi_slopes, sinks)
     if out is None:
         out, lse = torch.ops.attnkit.attention(q, k, v, attn_mask, causal, scale, dropout_p, seed,
-                                               enable_gqa, layout)
+                                               enable_gqa, layout, **mods)
         return (out, lse) if return_lse else out
     lse = None
     if return_lse:
         lse = q.new_empty(attention_shapes(q, k, v, layout)[1], dtype=torch.float32)
     torch.ops.attnkit.attention_out(q, k, v, attn_mask, causal, scale, dropout_p, seed,
-                                    enable_gqa, layout, out, lse)
+                                    enable_gqa, layout, out, lse, **mods)
     return (out, lse) if return_lse else out

@@ -113,17 +113,36 @@ def shapes_of(q_shape, k_shape, v_shape, layout):
     return (B, Sq, Hq, v_shape[3]), (B, Hq, Sq)
 
 
-def run_attention(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout, out, lse):
+def window_pair(window):
+    """(left, right) ints for window=None or a pair; the C++ op checks their values."""
+    if window is None:
+        return -1, -1
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
+            or any(isinstance(w, (bool, np.bool_)) or not isinstance(w, numbers.Integral) for w in window)):
+        raise ValueError(f"window must be None or a pair (left, right) of ints, -1 meaning "
+                         f"unbounded, got {window!r}")
+    return int(window[0]), int(window[1])
+
+
+def check_softcap(softcap):
+    """softcap as a float or None (the C++ op checks that it is finite and > 0)."""
+    return None if softcap is None else real_scalar(softcap, "softcap")
+
+
+def run_attention(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout, out, lse,
+                  window=(-1, -1), softcap=None, alibi_slopes=None, sinks=None):
     """Calls the kernel on validated kinds and scalars; out (and lse, if not None) are
     caller-owned."""
     _C.attention(typed(q, "q"), typed(k, "k"), typed(v, "v"), typed_output(out, "out"),
                  None if lse is None else typed_output(lse, "lse", "float32"),
                  typed_or_none(attn_mask, "attn_mask", MASK), causal, scale, dropout_p,
-                 None if seed is None else int(seed), enable_gqa, layout)
+                 None if seed is None else int(seed), enable_gqa, layout, window[0], window[1], softcap,
+                 typed_or_none(alibi_slopes, "alibi_slopes", "float32"), typed_or_none(sinks, "sinks", "float32"))
 
 
 def attention(q, k, v, *, attn_mask=None, causal=False, scale=None, dropout_p=0.0, seed=None,
-              enable_gqa=False, layout="BHSD", return_lse=False, out=None):
+              enable_gqa=False, layout="BHSD", return_lse=False, out=None, window=None,
+              softcap=None, alibi_slopes=None, sinks=None):
     """Exact scaled dot-product attention with torch.nn.functional.scaled_dot_product_attention
     semantics, computed on the CPU without materialising the score matrix.
 
@@ -139,6 +158,23 @@ def attention(q, k, v, *, attn_mask=None, causal=False, scale=None, dropout_p=0.
     - GQA/MQA: with enable_gqa=True, Hq must be a multiple of Hkv and query head h reads kv
       head h // (Hq // Hkv). Hq != Hkv without enable_gqa is an error.
     - A query row with no attendable key gives out = 0 and lse = -inf.
+    - Score modifiers (FlashAttention's conventions; they combine with each other, attn_mask,
+      causal and GQA). Query i is aligned to key position a = i + Skv - Sq (bottom-right), or
+      a = i with causal True / "top_left": the alignment the causal limit uses, and without
+      causal FlashAttention's, so a KV-cache query sits at the end of its keys.
+      window=(left, right), -1 meaning unbounded: query i sees keys j with
+        a - left <= j <= a + right (under causal, right is moot). Key tiles wholly outside
+        are skipped: a window costs O(Sq * window), not O(Sq * Skv).
+      softcap=c (finite, > 0): s -> c * tanh(s / c), after the scale, before attn_mask and
+        ALiBi (Gemma 2, Grok). tanh is vectorised, within 2 ulp in float32.
+      alibi_slopes float32 [Hq] or [B, Hq]: adds -slope[b, h] * |a - j| to the scores
+        (with causal, -slope * (a - j)).
+      sinks float32 [Hq]: a per-head logit that joins the softmax denominator only
+        (gpt-oss's learned sinks; the meaning of sparse MLA's attn_sink):
+        out = sum_j e^(s_j - m) v_j / (sum_j e^(s_j - m) + e^(sinks[h] - m)), m the row
+        max; +inf gives out = 0, -inf has no effect. As in sparse MLA, lse does not include
+        the sink (lse = log sum_j e^(s_j)). A row that sees no key still gives out = 0 and
+        lse = -inf. Slope and sink values are not checked (NaN propagates to the head).
     - dropout_p in [0, 1): after the softmax, each probability is kept with probability
       1 - dropout_p and scaled by 1/(1 - dropout_p). The keep decision is a counter-based
       (Philox4x32-10) function of (seed, b, h, i, j), so one seed gives bit-identical output
@@ -165,13 +201,16 @@ def attention(q, k, v, *, attn_mask=None, causal=False, scale=None, dropout_p=0.
     enable_gqa = flag(enable_gqa, "enable_gqa")
     return_lse = flag(return_lse, "return_lse")
     kind = kind_of(q, "q")
-    check_kinds(kind, (("k", k), ("v", v), ("attn_mask", attn_mask), ("out", out)), ("k", "v"))
+    check_kinds(kind, (("k", k), ("v", v), ("attn_mask", attn_mask), ("out", out),
+                       ("alibi_slopes", alibi_slopes), ("sinks", sinks)), ("k", "v"))
+    window, softcap = window_pair(window), check_softcap(softcap)
     if kind == "torch":
         return torch_ops().attention(q, k, v, attn_mask, code, scale, dropout_p, seed, enable_gqa,
-                                     layout, return_lse, out)
+                                     layout, return_lse, out, window, softcap, alibi_slopes, sinks)
     out_shape, lse_shape = attention_shapes(q, k, v, layout)
     if out is None:
         out = empty_like_kind("numpy", out_shape, dtype_name(q, "q", FLOAT))
     lse = empty_like_kind("numpy", lse_shape, "float32") if return_lse else None
-    run_attention(q, k, v, attn_mask, code, scale, dropout_p, seed, enable_gqa, layout, out, lse)
+    run_attention(q, k, v, attn_mask, code, scale, dropout_p, seed, enable_gqa, layout, out, lse,
+                  window, softcap, alibi_slopes, sinks)
     return (out, lse) if return_lse else out

@@ -1,20 +1,23 @@
 """SageAttention-style quantized attention."""
 
 from . import _C
-from ._arrays import FLOAT, dtype_name, empty_like_kind, kind_of, typed, typed_output
-from .ops import attention_shapes, causal_code, check_kinds, check_scalars, flag
+from ._arrays import FLOAT, dtype_name, empty_like_kind, kind_of, typed, typed_or_none, typed_output
+from .ops import attention_shapes, causal_code, check_kinds, check_scalars, check_softcap, flag, window_pair
 
 _MODES = ("int8", "fp4")
 
 
-def run_sage(q, k, v, causal, scale, layout, mode, out, lse):
+def run_sage(q, k, v, causal, scale, layout, mode, out, lse, window=(-1, -1), softcap=None,
+             alibi_slopes=None, sinks=None):
     """Calls the kernel on checked kinds; out (and lse, if not None) are caller-owned."""
     _C.sage_attention(typed(q, "q"), typed(k, "k"), typed(v, "v"), typed_output(out, "out"),
                       None if lse is None else typed_output(lse, "lse", "float32"), causal, scale,
-                      layout, mode)
+                      layout, mode, window[0], window[1], softcap,
+                      typed_or_none(alibi_slopes, "alibi_slopes", "float32"), typed_or_none(sinks, "sinks", "float32"))
 
 
-def sage_attention(q, k, v, *, causal=False, scale=None, layout="BHSD", mode="int8", return_lse=False):
+def sage_attention(q, k, v, *, causal=False, scale=None, layout="BHSD", mode="int8", return_lse=False,
+                   window=None, softcap=None, alibi_slopes=None, sinks=None):
     """Quantized attention with attnkit.attention's shapes and semantics (no mask, no
     dropout; GQA/MQA served natively when Hq is a multiple of Hkv).
 
@@ -40,6 +43,10 @@ def sage_attention(q, k, v, *, causal=False, scale=None, layout="BHSD", mode="in
     per 16 keys a scale max(P~)/6). Needs D a multiple of 16 and Dv == D. The spec, with its
     sources and open questions, is docs/sage_fp4.md; lse is that of the FP4 logits.
 
+    Score modifiers (window, softcap, alibi_slopes, sinks): as in attnkit.attention, honoured
+    by mode "int8" (the soft-cap acts on the logits with the K smoothing added back, so it
+    sees the same logits as attention); mode "fp4" refuses them (ValueError).
+
     Inputs: numpy arrays or CPU torch tensors (torch goes through
     torch.ops.attnkit.sage_attention). Returns out, or (out, lse) with return_lse=True.
     """
@@ -48,14 +55,16 @@ def sage_attention(q, k, v, *, causal=False, scale=None, layout="BHSD", mode="in
     return_lse = flag(return_lse, "return_lse")
     if mode not in _MODES:
         raise ValueError(f'mode must be "int8" or "fp4", got {mode!r}')
+    window, softcap = window_pair(window), check_softcap(softcap)
     kind = kind_of(q, "q")
-    check_kinds(kind, (("k", k), ("v", v)), ("k", "v"))
+    check_kinds(kind, (("k", k), ("v", v), ("alibi_slopes", alibi_slopes), ("sinks", sinks)), ("k", "v"))
     if kind == "torch":
         from . import _torch_ops
-        out, lse = _torch_ops.sage_attention(q, k, v, code, scale, layout, mode)
+        out, lse = _torch_ops.sage_attention(q, k, v, code, scale, layout, mode, window, softcap,
+                                             alibi_slopes, sinks)
         return (out, lse) if return_lse else out
     out_shape, lse_shape = attention_shapes(q, k, v, layout)
     out = empty_like_kind("numpy", out_shape, dtype_name(q, "q", FLOAT))
     lse = empty_like_kind("numpy", lse_shape, "float32") if return_lse else None
-    run_sage(q, k, v, code, scale, layout, mode, out, lse)
+    run_sage(q, k, v, code, scale, layout, mode, out, lse, window, softcap, alibi_slopes, sinks)
     return (out, lse) if return_lse else out

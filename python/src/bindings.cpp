@@ -127,7 +127,9 @@ attnkit::Causal parse_causal(int causal) {
 void attention(const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
                const std::optional<OutArray>& lse, const std::optional<InArray>& attn_mask, int causal,
                std::optional<double> scale, double dropout_p, std::optional<uint64_t> seed,
-               bool enable_gqa, const std::string& layout) {
+               bool enable_gqa, const std::string& layout, int64_t window_left, int64_t window_right,
+               std::optional<double> softcap, const std::optional<InArray>& alibi_slopes,
+               const std::optional<InArray>& sinks) {
   attnkit::AttentionArgs args;
   args.q = to_view(q, "q");
   args.k = to_view(k, "k");
@@ -141,6 +143,10 @@ void attention(const InArray& q, const InArray& k, const InArray& v, const OutAr
   args.seed = seed;
   args.enable_gqa = enable_gqa;
   args.layout = parse_layout(layout);
+  args.window_left = window_left, args.window_right = window_right;
+  args.softcap = softcap;
+  args.alibi_slopes = to_view(alibi_slopes, "alibi_slopes");
+  args.sinks = to_view(sinks, "sinks");
   run_op([&] { attnkit::attention(args); });
 }
 
@@ -178,7 +184,9 @@ void sparse_mla(const InArray& q, const InArray& kv, const InArray& indices, dou
 
 void sage_attention(const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
                     const std::optional<OutArray>& lse, int causal, std::optional<double> scale,
-                    const std::string& layout, const std::string& mode) {
+                    const std::string& layout, const std::string& mode, int64_t window_left,
+                    int64_t window_right, std::optional<double> softcap,
+                    const std::optional<InArray>& alibi_slopes, const std::optional<InArray>& sinks) {
   attnkit::SageArgs args;
   args.q = to_view(q, "q");
   args.k = to_view(k, "k");
@@ -188,6 +196,10 @@ void sage_attention(const InArray& q, const InArray& k, const InArray& v, const 
   args.causal = parse_causal(causal);
   args.scale = scale;
   args.layout = parse_layout(layout);
+  args.window_left = window_left, args.window_right = window_right;
+  args.softcap = softcap;
+  args.alibi_slopes = to_view(alibi_slopes, "alibi_slopes");
+  args.sinks = to_view(sinks, "sinks");
   if (mode == "int8") {
     args.mode = attnkit::SageMode::int8;
   } else if (mode == "fp4") {
@@ -360,10 +372,12 @@ NB_MODULE(_C, m) {
 
   m.def("attention", &attention, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(),
         "attn_mask"_a.none(), "causal"_a, "scale"_a.none(), "dropout_p"_a, "seed"_a.none(),
-        "enable_gqa"_a, "layout"_a);
+        "enable_gqa"_a, "layout"_a, "window_left"_a = -1, "window_right"_a = -1, "softcap"_a.none() = nb::none(),
+        "alibi_slopes"_a.none() = nb::none(), "sinks"_a.none() = nb::none());
   m.def("cast", &cast, "src"_a, "dst"_a);
   m.def("sage_attention", &sage_attention, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(), "causal"_a,
-        "scale"_a.none(), "layout"_a, "mode"_a);
+        "scale"_a.none(), "layout"_a, "mode"_a, "window_left"_a = -1, "window_right"_a = -1,
+        "softcap"_a.none() = nb::none(), "alibi_slopes"_a.none() = nb::none(), "sinks"_a.none() = nb::none());
   m.def("sparse_mla_prefill_fwd", &sparse_mla<&attnkit::sparse_mla_prefill_fwd>, "q"_a, "kv"_a, "indices"_a,
         "sm_scale"_a, "d_v"_a, "q_scale"_a.none(), "kv_scale"_a.none(), "attn_sink"_a.none(),
         "topk_length"_a.none(), "out"_a, "max_logits"_a, "lse"_a);

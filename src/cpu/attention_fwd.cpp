@@ -8,7 +8,10 @@
 // on avx512bf16, and int8 codes for sage_attention. P·V is the fp32 gemm, or on avx512bf16
 // (bf16 inputs, sage) bf16 pairs with P rounded to bf16. Decode (few rows) runs attend_rows:
 // key blocks of one vector with row-major scores. Masks, dropout, splits and the epilogue
-// are shared. Scores never exceed one tile. Compiled once per ISA.
+// are shared. Score modifiers: the window bounds the keys visited and joins the masks, the
+// soft-cap and ALiBi act on each tile before them, the sinks enter in the epilogue. Dense,
+// varlen and paged batches are one loop: a task's sequence says where its rows lie. Scores
+// never exceed one tile. Compiled once per ISA.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -65,7 +68,8 @@ struct QuantizedKeys {
 struct Sequence {
   int64_t b, sq, skv;    // queries and keys
   int64_t row0;          // packed row of query 0 (ragged batches; 0 for dense)
-  int64_t offset;        // causal: query i sees keys j <= i + offset
+  int64_t offset;        // query i aligns to key i + offset (causal: sees keys j <= i + offset)
+  int64_t span;          // keys a row block sees from its first visible one (Plan::key_span)
   int64_t q_blocks, kv_splits, kv_split_len;
   int64_t first_row_block, first_task, first_slot;  // slots: partial states (kv_splits > 1)
 };
@@ -117,7 +121,8 @@ struct Plan {
                        + kKvTile * rows_pad        // Sᵀ, then Pᵀ
                        + kKvTile * d_pad           // K tile (when packed)
                        + kKvTile * dv_pad          // V tile (when packed)
-                       + 5 * rows_pad;             // running max, sum, rescale; int8 q scale, sum
+                       + 8 * rows_pad;             // running max, sum, rescale; int8 q scale, sum;
+                                                   // sage's row shift; ALiBi slope, distance
     partial_floats = rows_pad * (dv_pad + 2);  // o, m, l of one split
   }
 
@@ -150,8 +155,9 @@ struct Plan {
       s.row0 = p.q_begin ? p.q_begin[b] : 0;
       s.sq = p.q_begin ? p.q_begin[b + 1] - p.q_begin[b] : p.Sq;
       s.skv = p.kv_begin ? p.kv_begin[b + 1] - p.kv_begin[b] : (p.kv_len ? p.kv_len[b] : p.Skv);
-      s.offset = p.q_begin ? (p.causal_bottom_right ? s.skv - s.sq : 0) : p.causal_offset;
+      s.offset = p.q_begin ? s.skv - s.sq : p.causal_offset;  // ragged batches align bottom-right
       s.q_blocks = (s.sq + positions_per_task - 1) / positions_per_task;
+      s.span = key_span(p, s);
       total_work += p.Hkv * head_chunks * s.q_blocks * row_work(s);
     }
     std::stable_sort(seqs.begin(), seqs.end(),
@@ -161,10 +167,10 @@ struct Plan {
       s.kv_splits = 1;
       if (total_work > 0) {
         const int64_t want = (row_work(s) * kMinParallelTasks + total_work - 1) / total_work;
-        const int64_t most = s.skv / (kMinSplitTiles * kKvTile);
+        const int64_t most = s.span / (kMinSplitTiles * kKvTile);
         s.kv_splits = std::max<int64_t>(1, std::min(want, most));
       }
-      s.kv_split_len = round_up((s.skv + s.kv_splits - 1) / s.kv_splits, kKvTile);
+      s.kv_split_len = round_up((s.span + s.kv_splits - 1) / s.kv_splits, kKvTile);
       const int64_t n = p.Hkv * head_chunks * s.q_blocks;
       s.first_row_block = row_blocks, s.first_task = tasks, s.first_slot = slots;
       row_blocks += n;
@@ -172,7 +178,16 @@ struct Plan {
       if (s.kv_splits > 1) slots += n * s.kv_splits;
     }
   }
-  int64_t row_work(const Sequence& s) const { return s.skv * std::min(s.sq, positions_per_task); }
+  int64_t row_work(const Sequence& s) const { return s.span * std::min(s.sq, positions_per_task); }
+
+  // The most keys a row block of the sequence sees from its first visible one (run() splits
+  // from there): all of them, or with a window the window's reach.
+  int64_t key_span(const AttentionParams& p, const Sequence& s) const {
+    if (p.window_left < 0) return s.skv;
+    const int64_t right = p.causal ? 0 : (p.window_right >= 0 ? p.window_right : s.skv);
+    const int64_t most_keys = p.window_left + positions_per_task + right + kKvTile;  // + visible_keys' rounding
+    return most_keys < s.skv ? most_keys : s.skv;
+  }
 
   Mode make_mode(const AttentionParams& p, int64_t rows, bool key_blocks) const {
     Mode m;
@@ -204,6 +219,7 @@ struct Plan {
 struct Workspace {
   float *qt, *o, *st, *k, *v, *m, *l, *alpha, *q_scale;
   int32_t* q_sum;
+  float *shift, *slope, *dist;  // per row: sage's q·mean (soft-cap only); ALiBi's slope, a - j0
   Workspace(float* base, const Plan& plan, const AttentionParams& p) {
     qt = base;
     o = qt + plan.d_pad * plan.rows_pad;
@@ -215,6 +231,9 @@ struct Workspace {
     alpha = l + plan.rows_pad;
     q_scale = alpha + plan.rows_pad;
     q_sum = reinterpret_cast<int32_t*>(q_scale + plan.rows_pad);
+    shift = reinterpret_cast<float*>(q_sum + plan.rows_pad);
+    slope = shift + plan.rows_pad;
+    dist = slope + plan.rows_pad;
   }
 };
 
@@ -258,6 +277,11 @@ struct KvRows {
       j = e;
     }
   }
+};
+
+// Keys [begin, end) of one row block or split.
+struct KeyRange {
+  int64_t begin, end;
 };
 
 // A tile of scores, key j of row r at s[j * key_stride + r * row_stride]: transposed (Sᵀ,
@@ -347,14 +371,10 @@ class AttentionTask {
     const RowBlock rb = row_block(s, s.first_row_block + local / s.kv_splits);
     const int64_t split = local % s.kv_splits;
     Workspace w(workspace, plan_, p_);
-    int64_t kv_end = rb.skv;
-    if (p_.causal) {
-      const int64_t last_visible = rb.i0 + rb.nq - 1 + rb.offset;
-      if (last_visible + 1 < kv_end) kv_end = last_visible + 1 < 0 ? 0 : last_visible + 1;
-    }
-    const int64_t begin = split * s.kv_split_len;
-    const int64_t end = begin + s.kv_split_len < kv_end ? begin + s.kv_split_len : kv_end;
-    attend(rb, begin, end, w);
+    const KeyRange keys = visible_keys(rb);
+    const int64_t split_begin = keys.begin + split * s.kv_split_len;
+    const int64_t end = split_begin + s.kv_split_len < keys.end ? split_begin + s.kv_split_len : keys.end;
+    attend(rb, split_begin, end < split_begin ? split_begin : end, w);
     if (s.kv_splits == 1) {
       write_out(rb, w.o, w.m, w.l, w.v);
       return;
@@ -398,6 +418,26 @@ class AttentionTask {
   }
 
  private:
+  // The query at position i is aligned to key position i + key_offset: the causal limit, the
+  // window and ALiBi's distance all measure from there.
+  int64_t key_offset(const RowBlock& rb) const { return rb.offset; }
+
+  // Keys [begin, end) that some row of the block can see: up to the causal limit or the
+  // window's right edge of its last row, from the window's left edge of its first row
+  // rounded down to a multiple of 4 (one dropout draw covers 4 keys), or for sage to a tile
+  // border (its K scales and V pairs are per tile). Keys outside are never visited, so a
+  // window costs O(Sq · window).
+  KeyRange visible_keys(const RowBlock& rb) const {
+    const int64_t first = rb.i0 + key_offset(rb), last = first + rb.nq - 1;  // aligned positions
+    const int64_t align = plan_.int8 ? kKvTile : 4;
+    KeyRange keys{0, rb.skv};
+    if (p_.causal && last + 1 < keys.end) keys.end = last + 1;
+    if (p_.window_right >= 0 && last + p_.window_right + 1 < keys.end) keys.end = last + p_.window_right + 1;
+    if (p_.window_left >= 0 && first - p_.window_left > 0) keys.begin = (first - p_.window_left) / align * align;
+    if (keys.end < keys.begin) keys.end = keys.begin;
+    return keys;
+  }
+
   // Runs keys [begin, end) through the tile loop, leaving the rows' state in w.o, w.m, w.l.
   void attend(const RowBlock& rb, int64_t begin, int64_t end, const Workspace& w) const {
     if (rb.mode->key_blocks) return attend_rows(rb, begin, end, w);
@@ -429,6 +469,7 @@ class AttentionTask {
         pack_rows(krows, j0, bc, p_.k_stride[3], p_.D, p_.D, w.k);
         gemm<kWideRows, kWideVecs>(bc, ld, p_.D, w.k, p_.D, 1, w.qt, ld, w.st, ld, false);
       }
+      apply_score_mods(rb, j0, bc, scores, w);
       apply_masks(rb, j0, bc, scores);
       online_softmax_tile(w.st, bc, ld, ld, w.m, w.l, w.alpha);
       rescale_output(rb, w);
@@ -479,6 +520,7 @@ class AttentionTask {
       for (int64_t c = 0; c < bc; c += kLanes) {
         qk_key_block(rb, krows, j0 + c, bc - c < kLanes ? bc - c : kLanes, w.st + c, ld, w);
       }
+      apply_score_mods(rb, j0, bc, scores, w);  // before the padding: the soft-cap would lift its -inf
       for (int64_t r = 0; r < rb.rows; ++r) {  // keys past the block's end
         for (int64_t j = bc; j < width; ++j) w.st[r * ld + j] = -INFINITY;
       }
@@ -693,6 +735,11 @@ class AttentionTask {
       }
       w.q_sum[r] = sum;
     }
+    if (p_.softcap != 0.0f) {  // the soft-cap needs the unsmoothed logits (apply_score_mods)
+      for (int64_t r = 0; r < ld; ++r) {
+        w.shift[r] = r < rb.rows ? lse_shift(rb, rb.h0 + r / rb.nq, rb.i0 + r % rb.nq) : 0.0f;
+      }
+    }
   }
 
   // Sᵀ[j][r] = (K codes · Q codes) · q_scale[r] · k_scale[tile]: exact integer dot products
@@ -808,23 +855,81 @@ class AttentionTask {
     });
   }
 
-  // The causal limit and the user mask on the scores, as -inf or an additive bias.
+  // The causal limit, the window and the user mask on the scores, as -inf or an additive bias.
   void apply_masks(const RowBlock& rb, int64_t j0, int64_t bc, const Scores& st) const {
-    const bool causal_cut = p_.causal && j0 + bc - 1 > rb.i0 + rb.offset;
-    if (!causal_cut && !p_.mask) return;
+    const int64_t first = rb.i0 + key_offset(rb), last = first + rb.nq - 1;  // aligned positions
+    const bool causal_cut = p_.causal && j0 + bc - 1 > first;
+    const bool left_cut = p_.window_left >= 0 && j0 < last - p_.window_left;
+    const bool right_cut = p_.window_right >= 0 && j0 + bc - 1 > first + p_.window_right;
+    if (!causal_cut && !left_cut && !right_cut && !p_.mask) return;
+    auto clamp = [bc](int64_t x) { return x < 0 ? 0 : (x < bc ? x : bc); };
     for (int64_t r = 0; r < rb.rows; ++r) {
-      const int64_t h = rb.h0 + r / rb.nq, i = rb.i0 + r % rb.nq;
-      int64_t visible = bc;  // keys j0 + [0, visible) pass the causal limit
-      if (causal_cut) {
-        const int64_t limit = i + rb.offset - j0 + 1;
-        visible = limit < 0 ? 0 : (limit < bc ? limit : bc);
-      }
+      const int64_t h = rb.h0 + r / rb.nq, i = rb.i0 + r % rb.nq, a = i + key_offset(rb);
+      int64_t lo = 0, visible = bc;  // keys j0 + [lo, visible) pass the causal limit and the window
+      if (causal_cut) visible = clamp(a - j0 + 1);
+      if (right_cut && clamp(a + p_.window_right - j0 + 1) < visible) visible = clamp(a + p_.window_right - j0 + 1);
+      if (left_cut) lo = clamp(a - p_.window_left - j0);
+      if (lo > visible) lo = visible;
+      for (int64_t jj = 0; jj < lo; ++jj) st.at(r, jj) = -INFINITY;
       for (int64_t jj = visible; jj < bc; ++jj) st.at(r, jj) = -INFINITY;
       if (p_.mask) {
         const int64_t row_off = rb.b * p_.mask_stride[0] + h * p_.mask_stride[1] + i * p_.mask_stride[2];
-        for (int64_t jj = 0; jj < visible; ++jj) {
+        for (int64_t jj = lo; jj < visible; ++jj) {
           st.at(r, jj) += load_mask(p_.mask_dtype, p_.mask, row_off + (j0 + jj) * p_.mask_stride[3]);
         }
+      }
+    }
+  }
+
+  // The logit soft-cap, s -> c·tanh(s / c), then the ALiBi bias -slope·|a - j| on a tile of
+  // scores (before the masks). Sage int8 keeps its logits smoothed by q·mean, which the
+  // soft-cap does not commute with: there it is added back first (and not again in write_out).
+  // Row-major (decode) tiles are done in whole vectors of keys; the caller masks the lanes
+  // past bc afterwards.
+  void apply_score_mods(const RowBlock& rb, int64_t j0, int64_t bc, const Scores& st, const Workspace& w) const {
+    // Locals, not p_'s fields: stores to the tile could alias them, which would reload them per vector.
+    const float softcap = p_.softcap;
+    const float* const slopes = p_.alibi_slopes;
+    if (softcap == 0.0f && !slopes) return;
+    const bool transposed = st.row_stride == 1;  // Sᵀ of the tile loop, rows along the lanes
+    const int64_t rows = transposed ? plan_.rows_pad : rb.rows;
+    if (slopes) {  // per row (head hh, position i0 + ii): its slope, and a - j0 (exact in float below 2^24)
+      for (int64_t hh = 0, r = 0; hh < rb.nh; ++hh) {
+        const float slope = slopes[rb.b * p_.alibi_stride[0] + (rb.h0 + hh) * p_.alibi_stride[1]];
+        for (int64_t ii = 0; ii < rb.nq; ++ii, ++r) {
+          w.slope[r] = slope;
+          w.dist[r] = static_cast<float>(rb.i0 + ii + key_offset(rb) - j0);
+        }
+      }
+      for (int64_t r = rb.rows; r < rows; ++r) w.slope[r] = 0.0f, w.dist[r] = 0.0f;  // padding rows
+    }
+    const bool shifted = kq_ && softcap != 0.0f;
+    const vfloat cap = vbroadcast(softcap), inv_cap = vbroadcast(1.0f / softcap);
+    auto modify = [=](vfloat s, vfloat slope, vfloat dist) {
+      if (softcap != 0.0f) s = vsoftcap(s, cap, inv_cap);
+      if (slopes) s -= slope * (vfloat)((vint)dist & 0x7FFFFFFF);  // slope·|a - j|
+      return s;
+    };
+    if (transposed) {
+      const int64_t ld = st.key_stride;
+      for (int64_t r = 0; r < rows; r += kLanes) {
+        const vfloat slope = slopes ? vload(w.slope + r) : vfloat{}, dist0 = slopes ? vload(w.dist + r) : vfloat{};
+        const vfloat shift = shifted ? vload(w.shift + r) : vfloat{};
+        for (int64_t j = 0; j < bc; ++j) {
+          float* s = st.s + j * ld + r;
+          vstore(s, modify(shifted ? vload(s) + shift : vload(s), slope, dist0 - static_cast<float>(j)));
+        }
+      }
+      return;
+    }
+    vfloat lane{};
+    for (int i = 0; i < kLanes; ++i) lane[i] = static_cast<float>(i);
+    for (int64_t r = 0; r < rows; ++r) {
+      const vfloat slope = vbroadcast(slopes ? w.slope[r] : 0.0f);
+      const vfloat dist0 = vbroadcast(slopes ? w.dist[r] : 0.0f) - lane;
+      for (int64_t j = 0; j < bc; j += kLanes) {
+        float* s = st.s + r * st.row_stride + j;
+        vstore(s, modify(vload(s), slope, dist0 - static_cast<float>(j)));
       }
     }
   }
@@ -846,14 +951,20 @@ class AttentionTask {
     }
   }
 
-  // out = o / l (times the cache's v_scale) in the output dtype, and lse = m + log(l) (-inf
-  // for rows that saw no key). scratch holds Dv floats.
+  // out = o / (l + e^(sink - m)) (times the cache's v_scale) in the output dtype (the sink
+  // term only with sinks), and lse = m + log(l), without the sink as in sparse MLA (-inf for
+  // rows that saw no key; their out is 0, sink or not). scratch holds Dv floats.
   void write_out(const RowBlock& rb, const float* o_acc, const float* m, const float* ls, float* scratch) const {
     E* out = static_cast<E*>(p_.out);
+    // Sage int8's m and l are of the logits smoothed by q·mean, unless the soft-cap put it back.
+    const bool shifted = kq_ && p_.softcap == 0.0f && (p_.lse || p_.sinks);
     for (int64_t r = 0; r < rb.rows; ++r) {
       const int64_t h = rb.h0 + r / rb.nq, i = rb.i0 + r % rb.nq;
       const float l = ls[r];
-      const float inv = (l > 0.0f ? 1.0f / l : (l == 0.0f ? 0.0f : l)) * rb.v_scale;  // l is NaN or >= 1
+      const float shift = shifted ? lse_shift(rb, h, i) : 0.0f;
+      float denom = l;
+      if (p_.sinks && l > 0.0f) denom += std::exp(p_.sinks[h * p_.sinks_stride] - (m[r] + shift));
+      const float inv = (denom > 0.0f ? 1.0f / denom : (l == 0.0f ? 0.0f : denom)) * rb.v_scale;  // denom is NaN or >= 1
       const float* o = o_acc + r * plan_.dv_pad;
       const int64_t row = rb.row0 + i;  // packed row (ragged batches), else the position
       E* dst = out + rb.b * p_.out_stride[0] + h * p_.out_stride[1] + row * p_.out_stride[2];
@@ -864,7 +975,7 @@ class AttentionTask {
       store_row<T>(o, inv, p_.Dv, dst, p_.out_stride[3]);
       if (p_.lse) {
         p_.lse[rb.b * p_.lse_stride[0] + h * p_.lse_stride[1] + row * p_.lse_stride[2]] =
-            l == 0.0f ? -INFINITY : m[r] + std::log(l) + (kq_ ? lse_shift(rb, h, i) : 0.0f);
+            l == 0.0f ? -INFINITY : m[r] + std::log(l) + shift;
       }
     }
   }

@@ -1,8 +1,9 @@
 // The dense-attention contract: every argument check, in one fixed order (ranks, dtypes,
-// sizes, head counts, mask, scalars, outputs and aliasing), then a plain AttentionParams
+// sizes, head counts, mask, scalars, score modifiers, outputs and aliasing), then a plain AttentionParams
 // for the kernels. Nothing below this file validates user input again.
 #include "attnkit/attention.h"
 
+#include <cfloat>
 #include <cmath>
 #include <random>
 #include <string>
@@ -116,6 +117,31 @@ AttentionParams detail::attention_params(const AttentionArgs& a) {
   if (!std::isfinite(scale)) fail("scale must be finite, got ", scale);
   if (!(a.dropout_p >= 0.0 && a.dropout_p < 1.0)) fail("dropout_p must be in [0, 1), got ", a.dropout_p);
 
+  // 6b. Score modifiers: window, softcap, ALiBi slopes, sinks.
+  for (const auto& [side, value] : {std::pair{"left", a.window_left}, {"right", a.window_right}}) {
+    if (value < -1) fail("window ", side, " must be -1 (unbounded) or >= 0, got ", value);
+  }
+  // The kernels divide by the cap in float32 (as a multiply by 1/c): c must be a normal float.
+  if (a.softcap && !(*a.softcap >= FLT_MIN && *a.softcap <= FLT_MAX)) {
+    fail("softcap must be a finite number > 0 (a normal float32), got ", *a.softcap);
+  }
+  if (a.alibi_slopes) {
+    const TensorView& s = *a.alibi_slopes;
+    const bool per_head = s.rank == 1 && s.shape[0] == Hq;
+    const bool per_batch = s.rank == 2 && s.shape[0] == B && s.shape[1] == Hq;
+    if (s.dtype != DType::float32 || !(per_head || per_batch)) {
+      fail("alibi_slopes must be float32 of shape [", Hq, "] ([Hq]) or [", B, ", ", Hq, "] ([B, Hq]), got ",
+           dtype_name(s.dtype), " of shape ", s.shape_str());
+    }
+  }
+  if (a.sinks) {
+    const TensorView& s = *a.sinks;
+    if (s.dtype != DType::float32 || s.rank != 1 || s.shape[0] != Hq) {
+      fail("sinks must be float32 of shape [", Hq, "] ([Hq]), got ", dtype_name(s.dtype), " of shape ",
+           s.shape_str());
+    }
+  }
+
   // 7. Outputs: shapes, dtypes, no self-overlap, no aliasing with any input or each other.
   if (out.size[0] != B || out.size[1] != Hq || out.size[2] != Sq || out.size[3] != Dv) {
     fail("out must have shape ", dims_str(B, Hq, Sq, Dv, layout), ", got ", a.out.shape_str());
@@ -136,6 +162,11 @@ AttentionParams detail::attention_params(const AttentionArgs& a) {
   if (a.attn_mask) {
     check_no_overlap(a.out, "out", *a.attn_mask, "attn_mask");
     if (a.lse) check_no_overlap(*a.lse, "lse", *a.attn_mask, "attn_mask");
+  }
+  for (const auto& [input, name] : {std::pair{&a.alibi_slopes, "alibi_slopes"}, {&a.sinks, "sinks"}}) {
+    if (!*input) continue;
+    check_no_overlap(a.out, "out", **input, name);
+    if (a.lse) check_no_overlap(*a.lse, "lse", **input, name);
   }
   if (a.lse) check_no_overlap(a.out, "out", *a.lse, "lse");
 
@@ -159,13 +190,31 @@ AttentionParams detail::attention_params(const AttentionArgs& a) {
   p.B = B, p.Hq = Hq, p.Hkv = Hkv, p.Sq = Sq, p.Skv = Skv, p.D = D, p.Dv = Dv;
   p.group = Hkv > 0 ? Hq / Hkv : 1;
   p.causal = a.causal != Causal::none;
-  p.causal_offset = a.causal == Causal::bottom_right ? Skv - Sq : 0;
+  // Bottom-right alignment (FlashAttention's) unless causal is top_left: the window and ALiBi
+  // of a non-causal call follow it too, so a KV-cache query sits at the end of its keys.
+  p.causal_offset = a.causal == Causal::top_left ? 0 : Skv - Sq;
   p.scale = static_cast<float>(scale);
   p.dropout_p = static_cast<float>(a.dropout_p);
   if (a.seed) {
     p.seed = *a.seed;
   } else if (a.dropout_p > 0.0) {  // a fresh seed; drawing one costs microseconds, so only when used
     p.seed = (uint64_t{std::random_device{}()} << 32) ^ std::random_device{}();
+  }
+
+  // A window side reaching past every key (|a - j| < Sq + Skv always) is unbounded, so no
+  // position arithmetic can overflow; under causal the right side never binds.
+  p.window_left = a.window_left >= Sq + Skv ? -1 : a.window_left;
+  p.window_right = a.window_right >= Sq + Skv || p.causal ? -1 : a.window_right;
+  p.softcap = a.softcap ? static_cast<float>(*a.softcap) : 0.0f;
+  if (a.alibi_slopes) {
+    const TensorView& s = *a.alibi_slopes;
+    p.alibi_slopes = static_cast<const float*>(s.data);
+    p.alibi_stride[0] = s.rank == 2 ? s.strides[0] : 0;
+    p.alibi_stride[1] = s.strides[s.rank - 1];
+  }
+  if (a.sinks) {
+    p.sinks = static_cast<const float*>(a.sinks->data);
+    p.sinks_stride = a.sinks->strides[0];
   }
 
   return p;

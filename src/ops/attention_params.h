@@ -24,13 +24,23 @@ struct AttentionParams {
   int64_t B, Hq, Hkv, Sq, Skv, D, Dv;
   int64_t group;                // Hq / Hkv: query head h reads kv head h / group
   bool causal;
-  int64_t causal_offset;        // when causal: key j is visible to query i iff j <= i + offset
+  int64_t causal_offset;        // query i is aligned to key position i + offset (causal: sees keys j <= i + offset)
   float scale;                  // softmax scale applied to q·k
   float dropout_p;              // 0 disables dropout
   uint64_t seed = 0;            // dropout stream key
+  // Score modifiers. The aligned query a = i + causal_offset sees keys a - window_left <= j
+  // <= a + window_right; -1 is unbounded (also any window reaching past every key; and
+  // window_right under causal, whose limit is tighter).
+  int64_t window_left = -1, window_right = -1;
+  float softcap = 0.0f;         // > 0: s -> softcap·tanh(s / softcap) after the scale; 0 disables
+  const float* alibi_slopes = nullptr;  // slope of (b, h) at b * alibi_stride[0] + h * alibi_stride[1]
+  int64_t alibi_stride[2] = {0, 0};
+  const float* sinks = nullptr;  // sink logit of head h at h * sinks_stride
+  int64_t sinks_stride = 0;
 
   // Ragged batches (varlen, paged). Dense attention leaves them null: every sequence then
-  // has Sq queries and Skv keys at batch strides q_stride[0], k_stride[0], ...
+  // has Sq queries and Skv keys at batch strides q_stride[0], k_stride[0], ... A ragged
+  // batch aligns each sequence bottom-right (its causal_offset is Skv_b - Sq_b).
   const int32_t* q_begin = nullptr;   // [B+1]: sequence b's queries are rows q_begin[b] ..
                                       // q_begin[b+1]-1 (q_stride[2] apart; q, out and lse
                                       // have batch stride 0); Sq is then the longest
@@ -40,7 +50,6 @@ struct AttentionParams {
                                          // sequence b lies in block block_table[b][j / block_size]
                                          // at k + block * k_stride[0] + (j % block_size) * k_stride[2]
   int64_t block_table_stride = 0, block_size = 0;
-  bool causal_bottom_right = false;   // ragged causal: offset Skv_b - Sq_b per sequence
   DType kv_dtype;                     // of k and v: q's dtype, or float8 for paged caches
   // Paged caches: dequantisation scales, kv head h's at k_scale[h * k_scale_stride] (stride 0:
   // one per tensor); null means 1.

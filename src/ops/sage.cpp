@@ -1,5 +1,6 @@
-// The quantized-attention contract: attention's own checks (shapes, dtypes, GQA, outputs),
-// with no mask and no dropout, then the quantized kernel of the requested mode.
+// The quantized-attention contract: attention's own checks (shapes, dtypes, GQA, score
+// modifiers, outputs), with no mask and no dropout, then the quantized kernel of the
+// requested mode (fp4 refuses the score modifiers).
 #include "attnkit/sage.h"
 
 #include "attnkit/error.h"
@@ -17,7 +18,21 @@ void sage_attention(const SageArgs& a) {
   args.scale = a.scale;
   args.layout = a.layout;
   args.enable_gqa = true;  // quantized attention serves GQA/MQA natively
+  args.window_left = a.window_left, args.window_right = a.window_right;
+  args.softcap = a.softcap;
+  args.alibi_slopes = a.alibi_slopes, args.sinks = a.sinks;
   const AttentionParams p = detail::attention_params(args);
+  if (a.mode == SageMode::fp4) {  // SageAttention3's emulation has none of them
+    const char* given = a.window_left != -1 || a.window_right != -1 ? "window"
+                        : a.softcap                                  ? "softcap"
+                        : a.alibi_slopes                             ? "alibi_slopes"
+                        : a.sinks                                    ? "sinks"
+                                                                     : nullptr;
+    if (given) {
+      detail::fail("sage_attention mode \"fp4\" does not support ", given,
+                   " (SageAttention3's numerics have no score modifiers); use mode \"int8\" or attention");
+    }
+  }
   if (a.mode == SageMode::fp4 && (p.D % 16 != 0 || p.Dv != p.D)) {
     detail::fail("sage_attention mode \"fp4\" needs D a multiple of 16 and Dv == D (NVFP4 blocks of 16), got D=",
                  p.D, " and Dv=", p.Dv);

@@ -99,6 +99,45 @@ TEST(AttentionApi, InvalidArgumentsThrowTypedErrors) {
   a.dropout_p = 0.0;
   EXPECT_EQ(message(), "no error");
   EXPECT_THROW(set_isa("sse9"), Error);
+
+  // Score modifiers.
+  a.window_left = -2;
+  EXPECT_EQ(message(), "window left must be -1 (unbounded) or >= 0, got -2");
+  a.window_left = 3, a.window_right = -5;
+  EXPECT_EQ(message(), "window right must be -1 (unbounded) or >= 0, got -5");
+  a.window_right = 0;
+  a.softcap = 0.0;
+  EXPECT_EQ(message(), "softcap must be a finite number > 0 (a normal float32), got 0");
+  a.softcap = 30.0;
+  std::vector<float> heads(24, 0.5f);
+  a.alibi_slopes = TensorView(heads.data(), DType::float32, {2, 12});
+  EXPECT_EQ(message(), "alibi_slopes must be float32 of shape [12] ([Hq]) or [1, 12] ([B, Hq]), got float32 of shape [2, 12]");
+  a.alibi_slopes = TensorView(heads.data(), DType::float32, {1, 12});
+  a.sinks = TensorView(heads.data(), DType::bfloat16, {12});
+  EXPECT_EQ(message(), "sinks must be float32 of shape [12] ([Hq]), got bfloat16 of shape [12]");
+  a.sinks = TensorView(heads.data(), DType::float32, {12});
+  EXPECT_EQ(message(), "no error");
+}
+
+// A sink of +inf takes all the probability (out = 0) and one of -inf none (out as without);
+// lse never includes it.
+TEST(AttentionApi, SinksJoinTheDenominatorOnly) {
+  std::vector<float> q(2 * 3 * 8, 0.25f), kv(2 * 5 * 8), out(2 * 3 * 8, NAN), plain(2 * 3 * 8, NAN);
+  std::vector<float> lse(6, NAN), plain_lse(6, NAN), sinks = {INFINITY, -INFINITY};
+  for (size_t i = 0; i < kv.size(); ++i) kv[i] = std::sin(float(i));
+  AttentionArgs a;
+  a.q = TensorView(q.data(), DType::float32, {1, 2, 3, 8});
+  a.k = a.v = TensorView(kv.data(), DType::float32, {1, 2, 5, 8});
+  a.out = TensorView(plain.data(), DType::float32, {1, 2, 3, 8});
+  a.lse = TensorView(plain_lse.data(), DType::float32, {1, 2, 3});
+  attention(a);
+  a.out = TensorView(out.data(), DType::float32, {1, 2, 3, 8});
+  a.lse = TensorView(lse.data(), DType::float32, {1, 2, 3});
+  a.sinks = TensorView(sinks.data(), DType::float32, {2});
+  attention(a);
+  for (int i = 0; i < 24; ++i) EXPECT_EQ(out[i], 0.0f) << i;
+  for (int i = 24; i < 48; ++i) EXPECT_EQ(out[i], plain[i]) << i;
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(lse[i], plain_lse[i]) << i;
 }
 
 }  // namespace

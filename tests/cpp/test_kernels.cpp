@@ -1,6 +1,6 @@
 // Micro-kernel tests, compiled once per ISA (like the kernels) and skipped where this CPU
 // lacks the ISA: the register-tiled GEMMs, the SIMD reductions, the key-block dots, the
-// vector exp2, the online-softmax updates and the dtype conversions.
+// vector exp2 and tanh, the online-softmax updates and the dtype conversions.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -188,6 +188,73 @@ ISA_TEST(Exp2, AccurateAndExactAtTheEdges) {
   EXPECT_EQ(vexp2(vbroadcast(-INFINITY))[0], 0.0f);
   EXPECT_EQ(vexp2(vbroadcast(-127.5f))[0], 0.0f);
   EXPECT_TRUE(std::isnan(vexp2(vbroadcast(NAN))[0]));
+}
+
+// vtanh against tanh in double over every 61st float of both signs (all exponents, the
+// |x| = 1 branch border, subnormals), lanes mixed so that vectors take either branch and
+// both at once; error in units of the float result's last place.
+ISA_TEST(Tanh, WithinThreeUlpOverAllFloats) {
+  SKIP_UNLESS_RUNNABLE();
+  double worst = 0.0;
+  float worst_x = 0.0f;
+  vfloat x{};
+  int lane = 0;
+  auto check = [&]() {
+    const vfloat got = vtanh(x);
+    for (int i = 0; i < kLanes; ++i) {
+      const double ref = std::tanh(double(x[i]));
+      const float ref32 = float(ref);
+      const double ulp = std::nextafter(std::fabs(ref32), INFINITY) - std::fabs(ref32);
+      const double err = std::fabs(double(got[i]) - ref) / ulp;
+      if (err > worst) worst = err, worst_x = x[i];
+    }
+  };
+  for (uint32_t bits = 0; bits < 0x7F800000u; bits += 61) {
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    x[lane] = lane % 3 == 1 ? -f : f;
+    if (lane % 5 == 4) x[lane] = 0.5f * x[lane];  // pulls some lanes under 1 next to large ones
+    if (++lane == kLanes) check(), lane = 0;
+  }
+  EXPECT_LT(worst, 3.0) << "worst at x = " << worst_x;
+  for (float v : {0.0f, 1.0f, -1.0f, 20.0f, -20.0f}) {
+    EXPECT_NEAR(vtanh(vbroadcast(v))[0], std::tanh(v), 2e-7f) << v;
+  }
+  EXPECT_EQ(vtanh(vbroadcast(INFINITY))[0], 1.0f);
+  EXPECT_EQ(vtanh(vbroadcast(-INFINITY))[0], -1.0f);
+  EXPECT_TRUE(std::signbit(vtanh(vbroadcast(-0.0f))[0]));
+  EXPECT_TRUE(std::isnan(vtanh(vbroadcast(NAN))[0]));
+  vfloat mixed = vbroadcast(0.25f);
+  mixed[0] = NAN, mixed[1] = 3.0f;
+  const vfloat m = vtanh(mixed);
+  EXPECT_TRUE(std::isnan(m[0]));
+  EXPECT_NEAR(m[1], std::tanh(3.0f), 2e-7f);
+}
+
+// vsoftcap(s, c, 1/c) = c·tanh(s / c) for caps around real models' (Gemma 2: 50 and 30,
+// Grok: 30) and small ones, on scores from 1e-6 to 1e4 of both signs: within 3.5 ulp of
+// the result (tanh's 2 and the rounding of s / c).
+ISA_TEST(Tanh, SoftcapWithinFourUlp) {
+  SKIP_UNLESS_RUNNABLE();
+  std::mt19937 gen(5);
+  std::uniform_real_distribution<double> exponent(-6.0, 4.0);
+  for (float c : {0.5f, 1.0f, 7.5f, 30.0f, 50.0f}) {
+    double worst = 0.0;
+    for (int trial = 0; trial < 20000; ++trial) {
+      vfloat s;
+      for (int i = 0; i < kLanes; ++i) s[i] = float((i % 2 ? -1.0 : 1.0) * std::pow(10.0, exponent(gen)));
+      const vfloat got = vsoftcap(s, vbroadcast(c), vbroadcast(1.0f / c));
+      for (int i = 0; i < kLanes; ++i) {
+        const double ref = double(c) * std::tanh(double(s[i]) / double(c));
+        const float ref32 = float(ref);
+        const double ulp = std::nextafter(std::fabs(ref32), INFINITY) - std::fabs(ref32);
+        worst = std::max(worst, std::fabs(double(got[i]) - ref) / ulp);
+      }
+    }
+    EXPECT_LT(worst, 3.5) << "c = " << c;
+    EXPECT_EQ(vsoftcap(vbroadcast(INFINITY), vbroadcast(c), vbroadcast(1.0f / c))[0], c);
+    EXPECT_EQ(vsoftcap(vbroadcast(-INFINITY), vbroadcast(c), vbroadcast(1.0f / c))[0], -c);
+  }
 }
 
 // Lane j of transpose_sum is the sum of v[j]'s lanes; every value differs, so a lane or

@@ -35,7 +35,8 @@ def to_f64(x):
 
 
 def attention_ref(q, k, v, attn_mask=None, causal=False, scale=None, enable_gqa=False,
-                  layout="BHSD", dropout_keep=None, dropout_p=0.0):
+                  layout="BHSD", dropout_keep=None, dropout_p=0.0, window=None, softcap=None,
+                  alibi_slopes=None, sinks=None):
     """(out, lse) in float64 following the attnkit.attention spec.
 
     q [B, Hq, Sq, D], k [B, Hkv, Skv, D], v [B, Hkv, Skv, Dv] (or BSHD); attn_mask is bool
@@ -43,6 +44,11 @@ def attention_ref(q, k, v, attn_mask=None, causal=False, scale=None, enable_gqa=
     layouts). dropout_keep, if given, is a bool array broadcastable to [B, Hq, Sq, Skv]: kept
     probabilities are scaled by 1 / (1 - dropout_p), the row normaliser is not changed. A row
     with no attendable key gives out = 0 and lse = -inf. lse has shape [B, Hq, Sq], natural log.
+    Score modifiers: query i is aligned to key a = i + Skv - Sq, or a = i with top-left causal;
+    window (left, right) keeps keys a - left <= j <= a + right (-1: unbounded); softcap c maps
+    s -> c tanh(s / c) after the scale, before mask and ALiBi; alibi_slopes [Hq] or [B, Hq]
+    adds -slope |a - j|; sinks [Hq] adds e^(sink - m) to each live row's denominator only
+    (lse excludes it).
     """
     q, k, v = to_f64(q), to_f64(k), to_f64(v)
     if layout == "BSHD":
@@ -61,16 +67,27 @@ def attention_ref(q, k, v, attn_mask=None, causal=False, scale=None, enable_gqa=
         scale = 1.0 / math.sqrt(D)
 
     s = np.matmul(q, k.swapaxes(-1, -2)) * float(scale)          # [B, Hq, Sq, Skv]
+    if softcap is not None:
+        s = softcap * np.tanh(s / softcap)
     full = (B, Hq, Sq, Skv)
     allowed = np.ones(full, dtype=bool)
     i = np.arange(Sq)[:, None]
     j = np.arange(Skv)[None, :]
-    if causal is True or causal == "top_left":
-        allowed &= j <= i
-    elif causal == "bottom_right":
-        allowed &= j <= i + (Skv - Sq)
+    top_left = causal is True or causal == "top_left"
+    a = i if top_left else i + (Skv - Sq)                        # aligned query positions
+    if top_left or causal == "bottom_right":
+        allowed &= j <= a
     else:
         assert causal is False or causal is None, causal
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            allowed &= j >= a - left
+        if right >= 0:
+            allowed &= j <= a + right
+    if alibi_slopes is not None:
+        slopes = np.broadcast_to(to_f64(alibi_slopes).reshape(-1, Hq), (B, Hq))
+        s = s - slopes[:, :, None, None] * np.abs(a - j)[None, None]
     if attn_mask is not None:
         m = to_f64(attn_mask)
         if m.dtype == np.bool_:
@@ -88,7 +105,11 @@ def attention_ref(q, k, v, attn_mask=None, causal=False, scale=None, enable_gqa=
     denom = p.sum(axis=-1, keepdims=True)
     with np.errstate(divide="ignore"):
         lse = np.where(live, np.log(np.where(live, denom, 1.0)) + mx0, -np.inf)[..., 0]
-    probs = np.where(live, p / np.where(live, denom, 1.0), 0.0)
+    if sinks is not None:  # the sink joins the denominator of live rows, not lse
+        with np.errstate(over="ignore", invalid="ignore"):
+            denom = denom + np.exp(to_f64(sinks)[None, :, None, None] - mx0)
+    with np.errstate(invalid="ignore"):
+        probs = np.where(live, p / np.where(live, denom, 1.0), 0.0)
     if dropout_keep is not None:
         probs = probs * np.broadcast_to(dropout_keep, full) / (1.0 - dropout_p)
     out = np.matmul(probs, v)                                    # [B, Hq, Sq, Dv]

@@ -25,6 +25,7 @@ def test_quick_run_verifies(shape, dtype):
 @pytest.mark.parametrize("args", [
     ("--op", "sparse_mla", "--shape", "B,s_q=2,h_q=16,topk=256,s_kv=1024", "--dtype", "fp8"),
     ("--op", "sage", "--shape", "A", "--dtype", "bfloat16"),
+    ("--op", "modifiers", "--shape", "A", "--dtype", "bfloat16"),
 ])
 def test_other_ops_verify(args):
     res = run_bench(*args, "--threads", "1", "--repeats", "1", "--budget", "1")

@@ -6,8 +6,9 @@ The shape follows SGLang's diffusion attention backends: a backend class answers
 ``Impl(num_heads, head_size, causal, softmax_scale, num_kv_heads=None, **extra_impl_args)``
 and called as ``impl.forward(query, key, value, attn_metadata=None)`` on tensors laid out
 [batch, seq, heads, head_dim]. Unlike SGLang, every backend either honours softmax_scale,
-causal and dropout_p or refuses the configuration in ``validate``, and nothing here ever
-writes to an input.
+causal, dropout_p and the score modifiers (window, softcap, alibi_slopes, sinks: extra impl
+args with attnkit.attention's meaning) or refuses the configuration in ``validate``, and
+nothing here ever writes to an input.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ def _is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+MODIFIERS = ("window", "softcap", "alibi", "sinks")  # the score modifiers a backend may honour
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
     """What a backend is asked to serve. num_kv_heads=None means num_heads (MHA); dtype
@@ -83,6 +87,17 @@ class AttentionConfig:
     dtype: object = None
     causal: object = False
     dropout_p: float = 0.0
+    window: object = None    # None or (left, right), -1 unbounded (attnkit.attention's window)
+    softcap: object = None   # None or c > 0
+    alibi: bool = False      # ALiBi slopes are given
+    sinks: bool = False      # attention sinks are given
+
+    @property
+    def modifiers(self) -> Tuple[str, ...]:
+        """The score modifiers this configuration asks for, in MODIFIERS order."""
+        asked = (self.window is not None and tuple(self.window) != (-1, -1), self.softcap is not None,
+                 bool(self.alibi), bool(self.sinks))
+        return tuple(m for m, on in zip(MODIFIERS, asked) if on)
 
     @property
     def kv_heads(self):
@@ -93,9 +108,16 @@ class AttentionConfig:
         return dtype_name(self.dtype)
 
     def describe(self) -> str:
-        return (f"head_size={self.head_size!r}, num_heads={self.num_heads!r}, "
+        text = (f"head_size={self.head_size!r}, num_heads={self.num_heads!r}, "
                 f"num_kv_heads={self.kv_heads!r}, dtype={self.dtype_name}, "
                 f"causal={self.causal!r}, dropout_p={self.dropout_p!r}")
+        for name in ("window", "softcap"):
+            if getattr(self, name) is not None:
+                text += f", {name}={getattr(self, name)!r}"
+        for name in ("alibi", "sinks"):
+            if getattr(self, name):
+                text += f", {name}=True"
+        return text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +128,8 @@ class Capabilities:
     values of the causal flag. dropout: honours dropout_p > 0. deterministic: the same
     inputs (and dropout seed) give bit-identical outputs. lossy: the results differ from
     exact attention by more than rounding (quantized); select() only picks such a backend
-    on its own when the caller passes allow_lossy=True."""
+    on its own when the caller passes allow_lossy=True. modifiers: the score modifiers
+    (names of MODIFIERS) it honours."""
 
     head_sizes: Optional[Tuple[int, ...]]
     head_size_range: Tuple[int, int]
@@ -117,6 +140,7 @@ class Capabilities:
     deterministic: bool
     lossy: bool = False
     notes: str = ""
+    modifiers: Tuple[str, ...] = ()
 
 
 class AttentionBackend:
@@ -195,7 +219,32 @@ class AttentionBackend:
             reason = cls._dropout_reason(c)
             if reason:
                 reasons.append(reason)
+        reasons += cls._modifier_value_reasons(c)
+        for name in c.modifiers:
+            reason = cls._modifier_reason(c, name)
+            if reason:
+                reasons.append(reason)
         return reasons
+
+    @staticmethod
+    def _modifier_value_reasons(c: AttentionConfig) -> list:
+        reasons = []
+        w = c.window
+        if w is not None and not (isinstance(w, (tuple, list)) and len(w) == 2
+                                  and all(_is_int(x) and x >= -1 for x in w)):
+            reasons.append(f"window must be None or a pair (left, right) of ints >= -1 "
+                           f"(-1 unbounded), got {w!r}")
+        if c.softcap is not None and not (_is_real(c.softcap) and math.isfinite(c.softcap)
+                                          and c.softcap > 0):
+            reasons.append(f"softcap must be a finite float > 0 or None, got {c.softcap!r}")
+        return reasons
+
+    @classmethod
+    def _modifier_reason(cls, c: AttentionConfig, name: str) -> Optional[str]:
+        """Why the score modifier `name` (asked for by c) is refused, or None if honoured."""
+        if name in cls.capabilities.modifiers:
+            return None
+        return f"{name} is not supported by {cls.__name__}"
 
     @classmethod
     def _dropout_reason(cls, c: AttentionConfig) -> Optional[str]:
@@ -220,8 +269,10 @@ class AttentionImpl:
     reason) and its tensors in forward, then runs ``_compute``. Tensors are
     [batch, seq, heads, head_dim] numpy arrays or CPU torch tensors; the output has the
     same layout and kind. Extra args: dropout_p (default 0.0), seed (dropout seed, None =
-    a fresh one per call), dtype (checked at construction when given). Other extras are
-    kept in ``extra_impl_args`` and ignored, as SGLang passes backend-specific ones."""
+    a fresh one per call), dtype (checked at construction when given), the score modifiers
+    window, softcap, alibi_slopes, sinks (attnkit.attention's meaning; refused in validate
+    by a backend that cannot honour one). Other extras are kept in ``extra_impl_args`` and
+    ignored, as SGLang passes backend-specific ones."""
 
     backend: ClassVar[type]
 
@@ -231,9 +282,12 @@ class AttentionImpl:
         dropout_p = extra.pop("dropout_p", 0.0)
         seed = extra.pop("seed", None)
         dtype = extra.pop("dtype", None)
+        window, softcap = extra.pop("window", None), extra.pop("softcap", None)
+        alibi_slopes, sinks = extra.pop("alibi_slopes", None), extra.pop("sinks", None)
         self.config = AttentionConfig(head_size=head_size, num_heads=num_heads,
                                       num_kv_heads=num_kv_heads, dtype=dtype, causal=causal,
-                                      dropout_p=dropout_p)
+                                      dropout_p=dropout_p, window=window, softcap=softcap,
+                                      alibi=alibi_slopes is not None, sinks=sinks is not None)
         reasons = self.backend.validate(self.config)
         if softmax_scale is not None and (not _is_real(softmax_scale)
                                           or not math.isfinite(softmax_scale)):
@@ -249,6 +303,9 @@ class AttentionImpl:
         self.softmax_scale = None if softmax_scale is None else float(softmax_scale)
         self.dropout_p = float(dropout_p)
         self.seed = None if seed is None else int(seed)
+        # The score modifiers, as attnkit.attention's keywords (the op checks the tensors).
+        self.modifiers = dict(window=None if window is None else tuple(window), softcap=softcap,
+                              alibi_slopes=alibi_slopes, sinks=sinks)
         self.prefix = prefix
         self.extra_impl_args = extra
 
@@ -290,10 +347,10 @@ class AttentionImpl:
         raise NotImplementedError
 
     def _exact(self, query, key, value):
-        """Exact attention on BSHD tensors with this impl's scale, causal, dropout and seed
-        (the path shared by SDPABackend and SageAttention3's GQA fallback, so both give
-        bit-identical outputs)."""
+        """Exact attention on BSHD tensors with this impl's scale, causal, dropout, seed and
+        score modifiers (the path shared by SDPABackend and SageAttention3's GQA fallback, so
+        both give bit-identical outputs)."""
         from .. import attention
         return attention(query, key, value, causal=self.causal, scale=self.softmax_scale,
                          dropout_p=self.dropout_p, seed=self.seed, enable_gqa=True,
-                         layout="BSHD")
+                         layout="BSHD", **self.modifiers)

@@ -3,7 +3,7 @@
 
 import threading
 
-from .base import DTYPES, AttentionBackend, AttentionImpl, Capabilities
+from .base import DTYPES, MODIFIERS, AttentionBackend, AttentionImpl, Capabilities
 
 _status = {}  # mode -> (available, reason), once attnkit.sage_attention exists
 _lock = threading.Lock()
@@ -45,7 +45,8 @@ def sage_kernel_status(mode: str, refresh: bool = False):
 class SageAttentionImpl(AttentionImpl):
     def _compute(self, query, key, value):
         return sage_attention_op()(query, key, value, causal=self.causal,
-                                   scale=self.softmax_scale, layout="BSHD", mode="int8")
+                                   scale=self.softmax_scale, layout="BSHD", mode="int8",
+                                   **self.modifiers)
 
 
 class SageAttentionBackend(AttentionBackend):
@@ -55,7 +56,8 @@ class SageAttentionBackend(AttentionBackend):
         head_sizes=None, head_size_range=(1, 512), dtypes=DTYPES, gqa=True,
         causal=(False, True, "top_left", "bottom_right"), dropout=False, deterministic=True, lossy=True,
         notes="quantized (int8 Q/K, reduced-precision P·V); accuracy contract: cosine "
-              "similarity >= 0.999 against exact attention")
+              "similarity >= 0.999 against exact attention; honours every score modifier",
+        modifiers=MODIFIERS)
     impl_cls = SageAttentionImpl
 
     @classmethod

@@ -54,8 +54,9 @@ class SageAttention3Backend(AttentionBackend):
     capabilities = Capabilities(
         head_sizes=(64, 128, 256), head_size_range=(64, 256), dtypes=DTYPES, gqa=True,
         causal=(False, True), dropout=False, deterministic=True, lossy=True,
-        notes="MHA: fp4 kernel (SageAttention3 numerics, no dropout); GQA/MQA: exact SDPA "
-              "fallback, which honours dropout_p; warns once per process")
+        notes="MHA: fp4 kernel (SageAttention3 numerics, no dropout, no score modifiers); "
+              "GQA/MQA: exact SDPA fallback, which honours dropout_p and the score modifiers; "
+              "warns once per process")
     impl_cls = SageAttention3Impl
 
     @classmethod
@@ -69,6 +70,14 @@ class SageAttention3Backend(AttentionBackend):
         return (f"dropout_p={c.dropout_p} > 0 is not supported by {cls.__name__} for MHA "
                 "(num_heads == num_kv_heads): the fp4 kernel has no dropout; only GQA/MQA, "
                 "served by the exact SDPA fallback, honours it")
+
+    @classmethod
+    def _modifier_reason(cls, c, name):
+        if not cls._is_mha(c):
+            return None  # the exact SDPA fallback honours them
+        return (f"{name} is not supported by {cls.__name__} for MHA (num_heads == num_kv_heads): "
+                "the fp4 kernel has no score modifiers; only GQA/MQA, served by the exact SDPA "
+                "fallback, honours them")
 
     @classmethod
     def _extra_reasons(cls, c):

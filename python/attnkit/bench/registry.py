@@ -171,6 +171,7 @@ def load_ops() -> dict:
     from . import sage_op  # noqa: F401  (registers "sage")
     from . import serving_op  # noqa: F401  (registers "varlen" and "paged")
     from . import dsa_op  # noqa: F401  (registers "dsa")
+    from . import modifiers_op  # noqa: F401  (registers "modifiers")
     return OPS
 
 

@@ -250,4 +250,33 @@ inline vfloat vexp2(vfloat x) {
 #endif
 }
 
+// The logit soft-cap c·tanh(s / c) for c > 0 (a normal float; inv_c = 1 / c), and tanh(x) as
+// its c = 1 case. With x = s / c: for |x| <= 1, s + s·x²·Q(x²), where 1 + x²·Q(x²) is a
+// near-minimax polynomial of degree 7 fitted to tanh(x)/x on [0, 1] (odd, so no |x| or sign
+// is needed on that path); above, c·(1 - e) / (1 + e) with e = e^(-2|x|) from vexp2 (no
+// cancellation there: e <= e^-2), the sign of s put back. tanh is within 2 ulp over all
+// floats (1.05 for |x| <= 1, 1.82 at worst, near 1.0013; tests/cpp/test_kernels.cpp asserts
+// 3 for every ISA); with c != 1 the rounding of s / c adds at most half an ulp. ±inf gives
+// ±c, NaN stays NaN. The exponential runs only for vectors with a lane above 1.
+inline vfloat vsoftcap(vfloat s, vfloat c, vfloat inv_c) {
+  const vfloat x = s * inv_c;
+  const vfloat t = x * x;
+  vfloat q = vbroadcast(-3.5321927862241864e-04f);
+  q = q * t + 2.281791530549526e-03f;
+  q = q * t - 7.916845381259918e-03f;
+  q = q * t + 2.1464411169290543e-02f;
+  q = q * t - 5.387076735496521e-02f;
+  q = q * t + 1.3332156836986542e-01f;
+  q = q * t - 3.3333277702331543e-01f;
+  const vint sign = (vint)s & (int32_t)0x80000000;
+  const vfloat small = (vfloat)((vint)(s + s * (t * q)) | sign);  // the sign: -0 stays -0
+  const vfloat one = vbroadcast(1.0f);
+  if (!any_greater(t, one)) return small;  // a NaN lane stays NaN through the polynomial
+  const vfloat a = (vfloat)((vint)x & 0x7FFFFFFF);
+  const vfloat e = vexp2(a * -2.8853900817779268f);  // e^(-2|x|) = 2^(-2|x| log2 e)
+  const vfloat large = (vfloat)((vint)(c * ((one - e) / (one + e))) | sign);
+  return t <= one ? small : large;
+}
+inline vfloat vtanh(vfloat x) { return vsoftcap(x, vbroadcast(1.0f), vbroadcast(1.0f)); }
+
 }  // namespace attnkit::cpu::ATTNKIT_ISA
