@@ -22,6 +22,11 @@ struct VarlenAttentionArgs {
   std::optional<int64_t> max_seqlen_q, max_seqlen_k;  // if given: at least the longest sequence
   bool causal = false;             // bottom-right per sequence: query i sees keys j <= i + Sk - Sq
   std::optional<double> scale;     // default 1/sqrt(D)
+  // Score modifiers, as in AttentionArgs (each sequence aligned bottom-right; alibi_slopes
+  // [Hq] or [B, Hq]).
+  int64_t window_left = -1, window_right = -1;
+  std::optional<double> softcap;
+  std::optional<TensorView> alibi_slopes, sinks;
 };
 
 struct PagedAttentionArgs {
@@ -35,6 +40,11 @@ struct PagedAttentionArgs {
   std::optional<TensorView> k_scale, v_scale;  // float32, one ([] or [1]) or one per kv head ([Hkv])
   bool causal = true;              // bottom-right: query i of n new tokens sees keys j <= seq_len - n + i
   std::optional<double> scale;     // default 1/sqrt(D)
+  // Score modifiers, as in AttentionArgs (each sequence aligned bottom-right; alibi_slopes
+  // [Hq] or [B, Hq]).
+  int64_t window_left = -1, window_right = -1;
+  std::optional<double> softcap;
+  std::optional<TensorView> alibi_slopes, sinks;
 };
 
 struct AppendKvCacheArgs {

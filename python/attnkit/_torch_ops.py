@@ -168,9 +168,9 @@ def register_grad_refusal(op_name, lib=_LIB):
     op = getattr(torch.ops.attnkit, op_name).default
     names = [a.name for a in op._schema.arguments]
 
-    def kernel(keyset, *args):
-        check_no_grad(f"torch.ops.attnkit.{op_name}", zip(names, args))
-        return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+    def kernel(keyset, *args, **kwargs):
+        check_no_grad(f"torch.ops.attnkit.{op_name}", list(zip(names, args)) + list(kwargs.items()))
+        return op.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
 
     lib.impl(op_name, kernel, "Autograd", with_keyset=True)
 

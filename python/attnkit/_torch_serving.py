@@ -7,16 +7,20 @@ import torch
 from ._torch_ops import register_grad_refusal
 from .serving import _packed_out_shapes, run_append, run_paged, run_varlen
 
+# The score modifiers, keyword-only with defaults, as in attnkit::attention's schema.
+_MODS = ("int window_left=-1, int window_right=-1, float? softcap=None, Tensor? alibi_slopes=None, "
+         "Tensor? sinks=None")
+
 _LIB = torch.library.Library("attnkit", "FRAGMENT")
 
 _VARLEN = ("Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int? max_seqlen_q, "
            "int? max_seqlen_k, bool causal, float? scale")
 _PAGED = ("Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, Tensor cu_seqlens_q, "
           "Tensor? k_scale, Tensor? v_scale, bool causal, float? scale")
-_LIB.define(f"varlen_attention({_VARLEN}) -> (Tensor, Tensor)")
-_LIB.define(f"varlen_attention_out({_VARLEN}, Tensor(a!) out, Tensor(b!)? lse) -> ()")
-_LIB.define(f"paged_attention({_PAGED}) -> (Tensor, Tensor)")
-_LIB.define(f"paged_attention_out({_PAGED}, Tensor(a!) out, Tensor(b!)? lse) -> ()")
+_LIB.define(f"varlen_attention({_VARLEN}, *, {_MODS}) -> (Tensor, Tensor)")
+_LIB.define(f"varlen_attention_out({_VARLEN}, Tensor(a!) out, Tensor(b!)? lse, *, {_MODS}) -> ()")
+_LIB.define(f"paged_attention({_PAGED}, *, {_MODS}) -> (Tensor, Tensor)")
+_LIB.define(f"paged_attention_out({_PAGED}, Tensor(a!) out, Tensor(b!)? lse, *, {_MODS}) -> ()")
 _LIB.define("append_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
             "Tensor? k_scale, Tensor? v_scale) -> ()")
 
@@ -28,35 +32,48 @@ def _new_outputs(q, v, name_v, fake):
     return torch.empty(out_shape, dtype=q.dtype), torch.empty(lse_shape, dtype=torch.float32)
 
 
-def _varlen_impl(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+def _mods(window_left=-1, window_right=-1, softcap=None, alibi_slopes=None, sinks=None):
+    """The ops' modifier keywords as serving.py's (window, softcap, alibi_slopes, sinks)."""
+    return (window_left, window_right), softcap, alibi_slopes, sinks
+
+
+def _keywords(mods):
+    (left, right), softcap, alibi_slopes, sinks = mods
+    return dict(window_left=left, window_right=right, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+
+
+def _varlen_impl(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, **mods):
     out, lse = _new_outputs(q, v, "v", fake=False)
-    run_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, out, lse)
+    run_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, out, lse, _mods(**mods))
     return out, lse
 
 
-def _varlen_fake(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+def _varlen_fake(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, **mods):
     return _new_outputs(q, v, "v", fake=True)
 
 
-def _varlen_out_impl(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, out, lse):
-    run_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, out, lse)
+def _varlen_out_impl(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, out, lse, **mods):
+    run_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, out, lse, _mods(**mods))
 
 
-def _paged_impl(q, k_cache, v_cache, block_table, seq_lens, cu_q, k_scale, v_scale, causal, scale):
+def _paged_impl(q, k_cache, v_cache, block_table, seq_lens, cu_q, k_scale, v_scale, causal, scale, **mods):
     out, lse = _new_outputs(q, v_cache, "v_cache", fake=False)
-    run_paged(q, k_cache, v_cache, block_table, seq_lens, cu_q, k_scale, v_scale, causal, scale, out, lse)
+    run_paged(q, k_cache, v_cache, block_table, seq_lens, cu_q, k_scale, v_scale, causal, scale, out, lse,
+              _mods(**mods))
     return out, lse
 
 
-def _paged_fake(q, k_cache, v_cache, block_table, seq_lens, cu_q, k_scale, v_scale, causal, scale):
+def _paged_fake(q, k_cache, v_cache, block_table, seq_lens, cu_q, k_scale, v_scale, causal, scale, **mods):
     return _new_outputs(q, v_cache, "v_cache", fake=True)
 
 
-def _paged_out_impl(q, k_cache, v_cache, block_table, seq_lens, cu_q, k_scale, v_scale, causal, scale, out, lse):
-    run_paged(q, k_cache, v_cache, block_table, seq_lens, cu_q, k_scale, v_scale, causal, scale, out, lse)
+def _paged_out_impl(q, k_cache, v_cache, block_table, seq_lens, cu_q, k_scale, v_scale, causal, scale, out, lse,
+                    **mods):
+    run_paged(q, k_cache, v_cache, block_table, seq_lens, cu_q, k_scale, v_scale, causal, scale, out, lse,
+              _mods(**mods))
 
 
-def _nothing(*args):
+def _nothing(*args, **kwargs):
     return None
 
 
@@ -70,25 +87,27 @@ for _name, _impl, _fake in (("varlen_attention", _varlen_impl, _varlen_fake),
     register_grad_refusal(_name, _LIB)
 
 
-def varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_lse, out):
+def varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_lse, out, mods):
     """The torch path of attnkit.varlen_attention (arguments already checked for kind)."""
+    kw = _keywords(mods)
     if out is None:
-        out, lse = torch.ops.attnkit.varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
+        out, lse = torch.ops.attnkit.varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, **kw)
         return (out, lse) if return_lse else out
     lse = torch.empty(_packed_out_shapes(q, v, "v")[1], dtype=torch.float32) if return_lse else None
-    torch.ops.attnkit.varlen_attention_out(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, out, lse)
+    torch.ops.attnkit.varlen_attention_out(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, out, lse, **kw)
     return (out, lse) if return_lse else out
 
 
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_q, k_scale, v_scale, causal, scale, return_lse,
-                    out):
+                    out, mods):
     """The torch path of attnkit.paged_attention (arguments already checked for kind)."""
     args = (q, k_cache, v_cache, block_table, seq_lens, cu_q, k_scale, v_scale, causal, scale)
+    kw = _keywords(mods)
     if out is None:
-        out, lse = torch.ops.attnkit.paged_attention(*args)
+        out, lse = torch.ops.attnkit.paged_attention(*args, **kw)
         return (out, lse) if return_lse else out
     lse = torch.empty(_packed_out_shapes(q, v_cache, "v_cache")[1], dtype=torch.float32) if return_lse else None
-    torch.ops.attnkit.paged_attention_out(*args, out, lse)
+    torch.ops.attnkit.paged_attention_out(*args, out, lse, **kw)
     return (out, lse) if return_lse else out
 
 

@@ -126,7 +126,12 @@ def window_pair(window):
 
 def check_softcap(softcap):
     """softcap as a float or None (the C++ op checks that it is finite and > 0)."""
-    return None if softcap is None else real_scalar(softcap, "softcap")
+    if softcap is None:
+        return None
+    try:
+        return real_scalar(softcap, "softcap")
+    except ValueError:
+        raise ValueError(f"softcap must be a float > 0 or None, got {softcap!r}") from None
 
 
 def run_attention(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout, out, lse,

@@ -16,6 +16,7 @@ import numpy as np
 
 from . import _C
 from ._arrays import empty_like_kind, kind_of, typed, typed_or_none, typed_output
+from .ops import check_softcap, flag, real_scalar, window_pair
 
 
 CACHE = "float32, float16, bfloat16, float8_e4m3fn or float8_e5m2"
@@ -25,23 +26,6 @@ def _same_kind(kind, named):
     for x, name in named:
         if x is not None and kind_of(x, name) != kind:
             raise ValueError(f"{name} must be a {kind} array like q, got {type(x).__name__}")
-
-
-def _check_flag(value, name):
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{name} must be a bool, got {type(value).__name__}")
-    return bool(value)
-
-
-def _check_scale(scale):
-    if scale is None:
-        return None
-    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
-        raise ValueError(f"scale must be a float or None, got {type(scale).__name__}")
-    try:
-        return float(scale)
-    except OverflowError:
-        raise ValueError(f"scale must be finite in float32, got {scale!r}") from None
 
 
 def _check_optional_int(value, name):
@@ -76,20 +60,32 @@ def _packed_out_shapes(q, v, name_v):
     return (q.shape[0], q.shape[1], v.shape[-1]), (q.shape[0], q.shape[1])
 
 
-def run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, out, lse):
+def _mods_args(mods):
+    """The binding's modifier arguments from (window pair, softcap, alibi_slopes, sinks)."""
+    (left, right), softcap, alibi_slopes, sinks = mods
+    return (left, right, softcap, typed_or_none(alibi_slopes, "alibi_slopes", "float32"),
+            typed_or_none(sinks, "sinks", "float32"))
+
+
+NO_MODS = ((-1, -1), None, None, None)
+
+
+def run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, out, lse,
+               mods=NO_MODS):
     _C.varlen_attention(typed(q, "q"), typed(k, "k"), typed(v, "v"), typed(cu_seqlens_q, "cu_seqlens_q", "int32"),
                         typed(cu_seqlens_k, "cu_seqlens_k", "int32"), typed_output(out, "out"),
                         None if lse is None else typed_output(lse, "lse", "float32"), max_seqlen_q, max_seqlen_k,
-                        causal, scale)
+                        causal, scale, *_mods_args(mods))
 
 
-def run_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, k_scale, v_scale, causal, scale, out, lse):
+def run_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, k_scale, v_scale, causal, scale, out, lse,
+              mods=NO_MODS):
     _C.paged_attention(typed(q, "q"), typed(k_cache, "k_cache", CACHE), typed(v_cache, "v_cache", CACHE),
                        typed(block_table, "block_table", "int32"), typed(seq_lens, "seq_lens", "int32"),
                        typed(cu_seqlens_q, "cu_seqlens_q", "int32"), typed_output(out, "out"),
                        None if lse is None else typed_output(lse, "lse", "float32"),
                        typed_or_none(k_scale, "k_scale", "float32"), typed_or_none(v_scale, "v_scale", "float32"),
-                       causal, scale)
+                       causal, scale, *_mods_args(mods))
 
 
 def run_append(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale):
@@ -99,7 +95,8 @@ def run_append(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale):
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
-                     causal=False, scale=None, return_lse=False, out=None):
+                     causal=False, scale=None, return_lse=False, out=None, window=None, softcap=None,
+                     alibi_slopes=None, sinks=None):
     """Attention over a packed batch of variable-length sequences (FlashAttention's
     flash_attn_varlen_func).
 
@@ -116,30 +113,34 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
       given they must be at least the longest sequence.
     - dtypes: q, k, v all float32, float16 or bfloat16; out has that dtype. lse float32
       [total_q, Hq].
+    - Score modifiers, as in attnkit.attention (each sequence aligned bottom-right: its query i
+      sits at key position i + Sk - Sq): window=(left, right), softcap, alibi_slopes float32
+      [Hq] or [B, Hq], sinks float32 [Hq] (in the denominator only; lse leaves it out).
     Returns out, or (out, lse) with return_lse=True.
     """
-    causal = _check_flag(causal, "causal")
-    return_lse = _check_flag(return_lse, "return_lse")
-    scale = _check_scale(scale)
+    causal, return_lse = flag(causal, "causal"), flag(return_lse, "return_lse")
+    scale = None if scale is None else real_scalar(scale, "scale")
     max_seqlen_q = _check_optional_int(max_seqlen_q, "max_seqlen_q")
     max_seqlen_k = _check_optional_int(max_seqlen_k, "max_seqlen_k")
+    mods = (window_pair(window), check_softcap(softcap), alibi_slopes, sinks)
     kind = kind_of(q, "q")
     _same_kind(kind, ((k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k"),
-                      (out, "out")))
+                      (out, "out"), (alibi_slopes, "alibi_slopes"), (sinks, "sinks")))
     if kind == "torch":
         from . import _torch_serving
         return _torch_serving.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                               causal, scale, return_lse, out)
+                                               causal, scale, return_lse, out, mods)
     out_shape, lse_shape = _packed_out_shapes(q, v, "v")
     if out is None:
         out = empty_like_kind("numpy", out_shape, typed(q, "q")[1])
     lse = empty_like_kind("numpy", lse_shape, "float32") if return_lse else None
-    run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, out, lse)
+    run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, out, lse, mods)
     return (out, lse) if return_lse else out
 
 
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, causal=True, scale=None,
-                    k_scale=None, v_scale=None, return_lse=False, out=None):
+                    k_scale=None, v_scale=None, return_lse=False, out=None, window=None, softcap=None,
+                    alibi_slopes=None, sinks=None):
     """Attention of each sequence's new tokens over its keys in a paged KV cache: chunked
     prefill and decode, mixed in one batch (vLLM's unified CPU call; FlashAttention's
     flash_attn_with_kvcache cache layout).
@@ -163,25 +164,30 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *,
     - dtypes: q float32, float16 or bfloat16; the caches q's dtype, or float8_e4m3fn /
       float8_e5m2 (dequantised as value * k_scale / v_scale: scales float32, a number, [] / [1]
       per tensor or [Hkv] per kv head, finite and positive; default 1). out has q's dtype.
+    - Score modifiers, as in attnkit.attention (each sequence aligned bottom-right: its query i
+      sits at key position i + Sk - Sq): window=(left, right), softcap, alibi_slopes float32
+      [Hq] or [B, Hq], sinks float32 [Hq] (in the denominator only; lse leaves it out).
     Returns out, or (out, lse) with return_lse=True (lse float32 [total_q, Hq]).
     """
-    causal = _check_flag(causal, "causal")
-    return_lse = _check_flag(return_lse, "return_lse")
-    scale = _check_scale(scale)
+    causal, return_lse = flag(causal, "causal"), flag(return_lse, "return_lse")
+    scale = None if scale is None else real_scalar(scale, "scale")
+    mods = (window_pair(window), check_softcap(softcap), alibi_slopes, sinks)
     kind = kind_of(q, "q")
     _same_kind(kind, ((k_cache, "k_cache"), (v_cache, "v_cache"), (block_table, "block_table"),
-                      (seq_lens, "seq_lens"), (cu_seqlens_q, "cu_seqlens_q"), (out, "out")))
+                      (seq_lens, "seq_lens"), (cu_seqlens_q, "cu_seqlens_q"), (out, "out"),
+                      (alibi_slopes, "alibi_slopes"), (sinks, "sinks")))
     k_scale = _kv_scale(k_scale, kind, "k_scale")
     v_scale = _kv_scale(v_scale, kind, "v_scale")
     if kind == "torch":
         from . import _torch_serving
         return _torch_serving.paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, k_scale,
-                                              v_scale, causal, scale, return_lse, out)
+                                              v_scale, causal, scale, return_lse, out, mods)
     out_shape, lse_shape = _packed_out_shapes(q, v_cache, "v_cache")
     if out is None:
         out = empty_like_kind("numpy", out_shape, typed(q, "q")[1])
     lse = empty_like_kind("numpy", lse_shape, "float32") if return_lse else None
-    run_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, k_scale, v_scale, causal, scale, out, lse)
+    run_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, k_scale, v_scale, causal, scale, out, lse,
+              mods)
     return (out, lse) if return_lse else out
 
 

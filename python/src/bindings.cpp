@@ -213,7 +213,9 @@ void sage_attention(const InArray& q, const InArray& k, const InArray& v, const 
 void varlen_attention(const InArray& q, const InArray& k, const InArray& v, const InArray& cu_seqlens_q,
                       const InArray& cu_seqlens_k, const OutArray& out, const std::optional<OutArray>& lse,
                       std::optional<int64_t> max_seqlen_q, std::optional<int64_t> max_seqlen_k, bool causal,
-                      std::optional<double> scale) {
+                      std::optional<double> scale, int64_t window_left, int64_t window_right,
+                      std::optional<double> softcap, const std::optional<InArray>& alibi_slopes,
+                      const std::optional<InArray>& sinks) {
   attnkit::VarlenAttentionArgs args;
   args.q = to_view(q, "q");
   args.k = to_view(k, "k");
@@ -226,13 +228,19 @@ void varlen_attention(const InArray& q, const InArray& k, const InArray& v, cons
   args.max_seqlen_k = max_seqlen_k;
   args.causal = causal;
   args.scale = scale;
+  args.window_left = window_left, args.window_right = window_right;
+  args.softcap = softcap;
+  args.alibi_slopes = to_view(alibi_slopes, "alibi_slopes");
+  args.sinks = to_view(sinks, "sinks");
   run_op([&] { attnkit::varlen_attention(args); });
 }
 
 void paged_attention(const InArray& q, const InArray& k_cache, const InArray& v_cache, const InArray& block_table,
                      const InArray& seq_lens, const InArray& cu_seqlens_q, const OutArray& out,
                      const std::optional<OutArray>& lse, const std::optional<InArray>& k_scale,
-                     const std::optional<InArray>& v_scale, bool causal, std::optional<double> scale) {
+                     const std::optional<InArray>& v_scale, bool causal, std::optional<double> scale,
+                     int64_t window_left, int64_t window_right, std::optional<double> softcap,
+                     const std::optional<InArray>& alibi_slopes, const std::optional<InArray>& sinks) {
   attnkit::PagedAttentionArgs args;
   args.q = to_view(q, "q");
   args.k_cache = to_view(k_cache, "k_cache");
@@ -246,6 +254,10 @@ void paged_attention(const InArray& q, const InArray& k_cache, const InArray& v_
   args.v_scale = to_view(v_scale, "v_scale");
   args.causal = causal;
   args.scale = scale;
+  args.window_left = window_left, args.window_right = window_right;
+  args.softcap = softcap;
+  args.alibi_slopes = to_view(alibi_slopes, "alibi_slopes");
+  args.sinks = to_view(sinks, "sinks");
   run_op([&] { attnkit::paged_attention(args); });
 }
 
@@ -385,10 +397,12 @@ NB_MODULE(_C, m) {
         "indices"_a, "sm_scale"_a, "d_v"_a, "q_scale"_a.none(), "kv_scale"_a.none(), "attn_sink"_a.none(),
         "topk_length"_a.none(), "out"_a, "max_logits"_a, "lse"_a);
   m.def("varlen_attention", &varlen_attention, "q"_a, "k"_a, "v"_a, "cu_seqlens_q"_a, "cu_seqlens_k"_a, "out"_a,
-        "lse"_a.none(), "max_seqlen_q"_a.none(), "max_seqlen_k"_a.none(), "causal"_a, "scale"_a.none());
+        "lse"_a.none(), "max_seqlen_q"_a.none(), "max_seqlen_k"_a.none(), "causal"_a, "scale"_a.none(),
+        "window_left"_a, "window_right"_a, "softcap"_a.none(), "alibi_slopes"_a.none(), "sinks"_a.none());
   m.def("paged_attention", &paged_attention, "q"_a, "k_cache"_a, "v_cache"_a, "block_table"_a, "seq_lens"_a,
         "cu_seqlens_q"_a, "out"_a, "lse"_a.none(), "k_scale"_a.none(), "v_scale"_a.none(), "causal"_a,
-        "scale"_a.none());
+        "scale"_a.none(), "window_left"_a, "window_right"_a, "softcap"_a.none(), "alibi_slopes"_a.none(),
+        "sinks"_a.none());
   m.def("append_kv_cache", &append_kv_cache, "k"_a, "v"_a, "k_cache"_a, "v_cache"_a, "slot_mapping"_a,
         "k_scale"_a.none(), "v_scale"_a.none());
   m.def("set_num_threads", &attnkit::set_num_threads, "n"_a);

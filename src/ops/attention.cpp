@@ -3,7 +3,6 @@
 // for the kernels. Nothing below this file validates user input again.
 #include "attnkit/attention.h"
 
-#include <cfloat>
 #include <cmath>
 #include <random>
 #include <string>
@@ -12,6 +11,7 @@
 #include "core/dispatch.h"
 #include "ops/attention_params.h"
 #include "ops/checks.h"
+#include "ops/score_mods.h"
 
 namespace attnkit {
 namespace {
@@ -117,31 +117,6 @@ AttentionParams detail::attention_params(const AttentionArgs& a) {
   if (!std::isfinite(scale)) fail("scale must be finite, got ", scale);
   if (!(a.dropout_p >= 0.0 && a.dropout_p < 1.0)) fail("dropout_p must be in [0, 1), got ", a.dropout_p);
 
-  // 6b. Score modifiers: window, softcap, ALiBi slopes, sinks.
-  for (const auto& [side, value] : {std::pair{"left", a.window_left}, {"right", a.window_right}}) {
-    if (value < -1) fail("window ", side, " must be -1 (unbounded) or >= 0, got ", value);
-  }
-  // The kernels divide by the cap in float32 (as a multiply by 1/c): c must be a normal float.
-  if (a.softcap && !(*a.softcap >= FLT_MIN && *a.softcap <= FLT_MAX)) {
-    fail("softcap must be a finite number > 0 (a normal float32), got ", *a.softcap);
-  }
-  if (a.alibi_slopes) {
-    const TensorView& s = *a.alibi_slopes;
-    const bool per_head = s.rank == 1 && s.shape[0] == Hq;
-    const bool per_batch = s.rank == 2 && s.shape[0] == B && s.shape[1] == Hq;
-    if (s.dtype != DType::float32 || !(per_head || per_batch)) {
-      fail("alibi_slopes must be float32 of shape [", Hq, "] ([Hq]) or [", B, ", ", Hq, "] ([B, Hq]), got ",
-           dtype_name(s.dtype), " of shape ", s.shape_str());
-    }
-  }
-  if (a.sinks) {
-    const TensorView& s = *a.sinks;
-    if (s.dtype != DType::float32 || s.rank != 1 || s.shape[0] != Hq) {
-      fail("sinks must be float32 of shape [", Hq, "] ([Hq]), got ", dtype_name(s.dtype), " of shape ",
-           s.shape_str());
-    }
-  }
-
   // 7. Outputs: shapes, dtypes, no self-overlap, no aliasing with any input or each other.
   if (out.size[0] != B || out.size[1] != Hq || out.size[2] != Sq || out.size[3] != Dv) {
     fail("out must have shape ", dims_str(B, Hq, Sq, Dv, layout), ", got ", a.out.shape_str());
@@ -162,11 +137,6 @@ AttentionParams detail::attention_params(const AttentionArgs& a) {
   if (a.attn_mask) {
     check_no_overlap(a.out, "out", *a.attn_mask, "attn_mask");
     if (a.lse) check_no_overlap(*a.lse, "lse", *a.attn_mask, "attn_mask");
-  }
-  for (const auto& [input, name] : {std::pair{&a.alibi_slopes, "alibi_slopes"}, {&a.sinks, "sinks"}}) {
-    if (!*input) continue;
-    check_no_overlap(a.out, "out", **input, name);
-    if (a.lse) check_no_overlap(*a.lse, "lse", **input, name);
   }
   if (a.lse) check_no_overlap(a.out, "out", *a.lse, "lse");
 
@@ -201,21 +171,9 @@ AttentionParams detail::attention_params(const AttentionArgs& a) {
     p.seed = (uint64_t{std::random_device{}()} << 32) ^ std::random_device{}();
   }
 
-  // A window side reaching past every key (|a - j| < Sq + Skv always) is unbounded, so no
-  // position arithmetic can overflow; under causal the right side never binds.
-  p.window_left = a.window_left >= Sq + Skv ? -1 : a.window_left;
-  p.window_right = a.window_right >= Sq + Skv || p.causal ? -1 : a.window_right;
-  p.softcap = a.softcap ? static_cast<float>(*a.softcap) : 0.0f;
-  if (a.alibi_slopes) {
-    const TensorView& s = *a.alibi_slopes;
-    p.alibi_slopes = static_cast<const float*>(s.data);
-    p.alibi_stride[0] = s.rank == 2 ? s.strides[0] : 0;
-    p.alibi_stride[1] = s.strides[s.rank - 1];
-  }
-  if (a.sinks) {
-    p.sinks = static_cast<const float*>(a.sinks->data);
-    p.sinks_stride = a.sinks->strides[0];
-  }
+  // 8. Score modifiers (window, softcap, ALiBi slopes, sinks).
+  detail::check_score_mods({a.window_left, a.window_right, a.softcap, a.alibi_slopes, a.sinks}, B, Hq, Sq + Skv,
+                           a.out, a.lse, p);
 
   return p;
 }

@@ -15,6 +15,7 @@
 #include "core/kv_cache.h"
 #include "ops/attention_params.h"
 #include "ops/checks.h"
+#include "ops/score_mods.h"
 
 namespace attnkit {
 namespace {
@@ -187,10 +188,11 @@ void varlen_attention(const VarlenAttentionArgs& a) {
   p.B = batch, p.Hq = hq, p.Hkv = hkv, p.Sq = max_q, p.Skv = max_k, p.D = d, p.Dv = dv;
   p.group = hq / hkv;
   p.causal = a.causal;
-  p.causal_bottom_right = true;
   p.scale = static_cast<float>(scale);
   p.q_begin = cu_q.data();
   p.kv_begin = cu_k.data();
+  detail::check_score_mods({a.window_left, a.window_right, a.softcap, a.alibi_slopes, a.sinks}, batch, hq,
+                           max_q + max_k, a.out, a.lse, p);
   run(p, total_q);
 }
 
@@ -304,7 +306,6 @@ void paged_attention(const PagedAttentionArgs& a) {
   p.B = batch, p.Hq = hq, p.Hkv = hkv, p.Sq = longest(cu_q), p.Skv = max_k, p.D = d, p.Dv = dv;
   p.group = hq / hkv;
   p.causal = a.causal;
-  p.causal_bottom_right = true;
   p.scale = static_cast<float>(scale);
   p.q_begin = cu_q.data();
   p.kv_len = lens.data();
@@ -313,6 +314,8 @@ void paged_attention(const PagedAttentionArgs& a) {
   p.block_size = block_size;
   if (a.k_scale) p.k_scale = static_cast<const float*>(a.k_scale->data), p.k_scale_stride = k_scale_stride;
   if (a.v_scale) p.v_scale = static_cast<const float*>(a.v_scale->data), p.v_scale_stride = v_scale_stride;
+  detail::check_score_mods({a.window_left, a.window_right, a.softcap, a.alibi_slopes, a.sinks}, batch, hq,
+                           p.Sq + max_k, a.out, a.lse, p);
   run(p, total_q);
 }
 

@@ -234,7 +234,7 @@ def test_kinds_must_match(rng):
     q, k, v = make_qkv(rng, 1, 2, 2, 3, 5, 8, 8)
     with pytest.raises(ValueError, match="sinks must be a numpy array like q"):
         attnkit.attention(q, k, v, sinks=torch.zeros(2))
-    with pytest.raises(ValueError, match="alibi_slopes must be a torch array like q"):
+    with pytest.raises(ValueError, match="alibi_slopes must be a torch tensor like q"):
         attnkit.attention(to_torch(q), to_torch(k), to_torch(v), alibi_slopes=np.zeros(2, np.float32))
 
 

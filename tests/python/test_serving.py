@@ -275,7 +275,7 @@ VARLEN_ERRORS = [
      "GQA/MQA requires query heads to be a multiple of KV heads, got q_heads=4 and kv_heads=3"),
     (dict(q=np.zeros((6, 4), np.float32)), "q must be a 3-d tensor [total_q, Hq, D], got 2-d [6, 4]"),
     (dict(scale=1e39), "scale must be finite in float32"),
-    (dict(causal="yes"), "causal must be a bool"),
+    (dict(causal="yes"), "causal must be True or False, got 'yes'"),
 ]
 
 
