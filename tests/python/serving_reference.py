@@ -8,15 +8,19 @@ import numpy as np
 from reference import attention_ref, pv_magnitude, to_f64
 
 
-def _per_sequence(q, seqs, causal, scale):
+def _per_sequence(q, seqs, causal, scale, mods=None):
     """seqs: (q rows [sq, Hq, D] as f64, k [sk, Hkv, D], v [sk, Hkv, Dv]) per sequence ->
     (out [total_q, Hq, Dv], lse [total_q, Hq], magnitude like out)."""
     outs, lses, mags = [], [], []
-    for qb, kb, vb in seqs:
+    mods = dict(mods or {})
+    slopes = mods.pop("alibi_slopes", None)
+    for b, (qb, kb, vb) in enumerate(seqs):
         if qb.shape[0] == 0:
             continue
         args = (qb.transpose(1, 0, 2)[None], kb.transpose(1, 0, 2)[None], vb.transpose(1, 0, 2)[None])
-        kw = dict(causal="bottom_right" if causal else False, scale=scale, enable_gqa=True)
+        kw = dict(causal="bottom_right" if causal else False, scale=scale, enable_gqa=True, **mods)
+        if slopes is not None:  # [Hq] or [B, Hq]: this sequence's row
+            kw["alibi_slopes"] = np.asarray(slopes) if np.ndim(slopes) == 1 else np.asarray(slopes)[b]
         o, l = attention_ref(*args, **kw)
         outs.append(o[0].transpose(1, 0, 2))
         lses.append(l[0].T)
@@ -27,11 +31,11 @@ def _per_sequence(q, seqs, causal, scale):
     return np.concatenate(outs), np.concatenate(lses), np.concatenate(mags)
 
 
-def varlen_ref(q, k, v, cu_q, cu_k, causal=False, scale=None):
+def varlen_ref(q, k, v, cu_q, cu_k, causal=False, scale=None, **mods):
     q, k, v = to_f64(q), to_f64(k), to_f64(v)
     cu_q, cu_k = np.asarray(cu_q), np.asarray(cu_k)
     seqs = [(q[cu_q[b]:cu_q[b + 1]], k[cu_k[b]:cu_k[b + 1]], v[cu_k[b]:cu_k[b + 1]]) for b in range(len(cu_q) - 1)]
-    return _per_sequence(q, seqs, causal, scale)
+    return _per_sequence(q, seqs, causal, scale, mods)
 
 
 def gather_cache(cache, block_table, seq_len, scale=None):
@@ -45,9 +49,10 @@ def gather_cache(cache, block_table, seq_len, scale=None):
     return rows
 
 
-def paged_ref(q, k_cache, v_cache, block_table, seq_lens, cu_q, causal=True, scale=None, k_scale=None, v_scale=None):
+def paged_ref(q, k_cache, v_cache, block_table, seq_lens, cu_q, causal=True, scale=None, k_scale=None, v_scale=None,
+              **mods):
     q = to_f64(q)
     cu_q, seq_lens, block_table = np.asarray(cu_q), np.asarray(seq_lens), np.asarray(block_table)
     seqs = [(q[cu_q[b]:cu_q[b + 1]], gather_cache(k_cache, block_table[b], seq_lens[b], k_scale),
              gather_cache(v_cache, block_table[b], seq_lens[b], v_scale)) for b in range(len(seq_lens))]
-    return _per_sequence(q, seqs, causal, scale)
+    return _per_sequence(q, seqs, causal, scale, mods)

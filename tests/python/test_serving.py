@@ -208,6 +208,64 @@ def test_paged_deterministic_across_threads(rng, dtype, restore_runtime):
         np.testing.assert_array_equal(to_f64(a), to_f64(b))
 
 
+# ---- score modifiers
+
+MODS = [
+    dict(window=(7, 0)),
+    dict(window=(129, 3)),
+    dict(softcap=2.5),
+    dict(alibi=True),
+    dict(sinks=True),
+    dict(window=(40, -1), softcap=4.0, alibi=True, sinks=True),
+]
+
+
+def _mods(rng, hq, batch, spec):
+    kw = {k: v for k, v in spec.items() if k in ("window", "softcap")}
+    if spec.get("alibi"):
+        kw["alibi_slopes"] = (rng.random((batch, hq)) * 0.5).astype(np.float32)
+    if spec.get("sinks"):
+        kw["sinks"] = randn(rng, (hq,))
+    return kw
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("spec", range(len(MODS)))
+def test_varlen_score_modifiers(rng, dtype, causal, spec):
+    lq, lk, hq, hkv, d = [5, 0, 130, 1], [9, 4, 300, 140], 4, 2, 32
+    cu_q, cu_k = cu(lq), cu(lk)
+    q = randn(rng, (cu_q[-1], hq, d), dtype)
+    k = randn(rng, (cu_k[-1], hkv, d), dtype)
+    v = randn(rng, (cu_k[-1], hkv, d), dtype)
+    kw = _mods(rng, hq, len(lq), MODS[spec])
+    out = poison((cu_q[-1], hq, d), dtype)
+    _, lse = attnkit.varlen_attention(q, k, v, cu_q, cu_k, causal=causal, return_lse=True, out=out, **kw)
+    check(out, lse, varlen_ref(q, k, v, cu_q, cu_k, causal, **kw), dtype)
+
+
+@pytest.mark.parametrize("spec", range(len(MODS)))
+def test_paged_score_modifiers(rng, spec, isa):
+    q_lens, seq_lens, bs, hq, hkv, d = [1, 12, 1], [700, 100, 33], 16, 4, 2, 32
+    kc, vc, table = random_paged_batch(rng, q_lens, seq_lens, bs, hkv, d, d, "float32")
+    cu_q, lens = cu(q_lens), np.array(seq_lens, dtype=np.int32)
+    q = randn(rng, (cu_q[-1], hq, d))
+    kw = _mods(rng, hq, len(q_lens), MODS[spec])
+    out = poison((cu_q[-1], hq, d), "float32")
+    _, lse = attnkit.paged_attention(q, kc, vc, table, lens, cu_q, return_lse=True, out=out, **kw)
+    check(out, lse, paged_ref(q, kc, vc, table, lens, cu_q, True, **kw), "float32")
+
+
+def test_serving_modifier_errors(rng):
+    args = _varlen_args(rng)
+    for change, message in ((dict(window=(-3, 0)), "window left must be -1 (unbounded) or >= 0, got -3"),
+                            (dict(softcap=0.0), "softcap must be a finite number > 0"),
+                            (dict(alibi_slopes=np.ones(3, np.float32)), "alibi_slopes must be float32 of shape [4]"),
+                            (dict(sinks=np.ones((2, 4), np.float32)), "sinks must be float32 of shape [4]")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            attnkit.varlen_attention(**args, **change)
+
+
 # ---- append_kv_cache
 
 @pytest.mark.parametrize("cache_dtype", DTYPES + list(FP8))
