@@ -229,7 +229,9 @@ inline vfloat vexp2(vfloat x) {
   const vfloat n = (vfloat)_mm512_maskz_roundscale_ps(0xFFFF, (__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const vfloat f = x - n;
 #else
-  const vfloat clamped = x < -126.0f ? vbroadcast(-126.0f) : x;
+  // NaN (and -inf) clamp to -126 too, so that n always fits the exponent field: the result
+  // is then picked by the selects below, never from an out-of-range integer conversion.
+  const vfloat clamped = x >= -126.0f ? x : vbroadcast(-126.0f);
   const vfloat n = (clamped + 12582912.0f) - 12582912.0f;  // 1.5 * 2^23 rounds to nearest
   const vfloat f = clamped - n;
 #endif
