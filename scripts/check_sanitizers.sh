@@ -16,6 +16,7 @@ cmake -S . -B build/asan -G Ninja -DATTNKIT_BUILD_TESTS=ON -DATTNKIT_SANITIZE=ON
       -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS_RELEASE="-O1 -g1" >/dev/null
 cmake --build build/asan -j "$jobs" --target attnkit_tests attnkit_fuzz
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1:detect_stack_use_after_return=1
-export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+# abort_on_error: the fuzz driver's SIGABRT handler then prints the seed of the call in flight.
+export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:abort_on_error=1
 build/asan/tests/cpp/attnkit_tests --gtest_brief=1
 build/asan/tests/fuzz/attnkit_fuzz --seconds "${ATTNKIT_FUZZ_SECONDS:-120}" "${fuzz_args[@]}"

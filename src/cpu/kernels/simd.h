@@ -49,8 +49,10 @@ inline vfloat vbroadcast(float x) {
   return v;
 #endif
 }
-// NaN-propagating in the first argument is not needed: a NaN score poisons its row via exp2.
-inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
+// The running max a against new values b: a NaN in b never wins (a NaN score poisons its
+// row through exp2 instead), so the max stays the max of the other scores and exp2 only
+// ever sees s - max <= 0 or NaN. (a > b ? a : b let a NaN in b through and reset the max.)
+inline vfloat vmax(vfloat a, vfloat b) { return b > a ? b : a; }
 inline float hmax(vfloat v) {
   float m = v[0];
   for (int i = 1; i < kLanes; ++i) m = v[i] > m ? v[i] : m;
