@@ -82,7 +82,10 @@ void sparse_mla_prefill_fwd(const SparseMlaArgs& a) {
   const float kv_scale = read_scale(a.kv_scale, "kv_scale", fp8, dtype);
   // Checked as the kernel uses it, in float32 (1e39 is finite in double, inf in float32),
   // and so is the logit scale it folds into Q.
-  if (!std::isfinite(static_cast<float>(a.sm_scale))) fail("sm_scale must be finite in float32, got ", a.sm_scale);
+  if (!std::isfinite(a.sm_scale)) fail("sm_scale must be finite, got ", a.sm_scale);
+  if (!std::isfinite(static_cast<float>(a.sm_scale))) {
+    fail("sm_scale must be finite, got ", a.sm_scale, " (inf in float32, the precision the kernel uses)");
+  }
   if (!std::isfinite(static_cast<float>(a.sm_scale) * q_scale * kv_scale)) {
     fail("sm_scale * q_scale * kv_scale must be finite in float32, got ", a.sm_scale, " * ", q_scale, " * ", kv_scale);
   }

@@ -113,7 +113,7 @@ TEST(Reliability, ScalesAreCheckedInFloat32) {
   a.out = TensorView(out.data(), DType::float32, {1, 1, 4, 8});
   a.scale = 1e39;  // finite in double, inf in float32
   for (auto op : {attention, sage_op}) {
-    EXPECT_EQ(error_of(op, a), "scale must be finite in float32, got 1e+39");
+    EXPECT_EQ(error_of(op, a), "scale must be finite, got 1e+39 (inf in float32, the precision the kernels use)");
   }
   a.scale = 3e38;
   EXPECT_EQ(error_of(attention, a), "no error");
@@ -163,7 +163,7 @@ TEST(Reliability, SparseMlaScalesMustBeFinite) {
   }
   SparseMlaArgs a = c.args();
   a.sm_scale = 1e39;
-  EXPECT_EQ(sparse_error(a), "sm_scale must be finite in float32, got 1e+39");
+  EXPECT_EQ(sparse_error(a), "sm_scale must be finite, got 1e+39 (inf in float32, the precision the kernel uses)");
   a.sm_scale = 3e38;
   c.q_scale = 1e30f;
   a.q_scale = TensorView(&c.q_scale, DType::float32, {1});
