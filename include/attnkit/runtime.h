@@ -1,17 +1,47 @@
 // Process-wide runtime settings: threads, the CPU instruction set in use, build facts.
 #pragma once
 
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 namespace attnkit {
 
-// Threads used by every op. Default: ATTNKIT_NUM_THREADS, else all cores.
+// Threads used by every op. Default: ATTNKIT_NUM_THREADS, else all cores (a value that is
+// not an integer in [1, 1024] is reported once on stderr and the default used). Neither call
+// waits for a running op: a new count takes effect at the next op. After fork() the child
+// starts its own pool at its first op.
 void set_num_threads(int n);
 int get_num_threads();
 
+// Stopping a running op (the Python binding turns Ctrl-C into this). While a poll is
+// installed on a thread, each op called on that thread calls poll(context) from that thread
+// between its tasks and while it waits for another thread's op, about every 10 ms. When
+// poll returns true the op starts no further task, waits for the running ones and throws
+// Interrupted: the outputs then hold results where finished tasks wrote them and their
+// previous contents elsewhere (which parts is unspecified). Tasks are blocks of output rows
+// (a whole head for sage fp4), so an op stops within about one task's time. Ops on a thread
+// without a poll pay nothing for this. The poll must not throw.
+class Interrupted : public std::runtime_error {
+ public:
+  Interrupted() : std::runtime_error("attnkit: the op was interrupted") {}
+};
+class ScopedInterruptPoll {
+ public:
+  ScopedInterruptPoll(bool (*poll)(void* context), void* context);  // nullptr: none
+  ~ScopedInterruptPoll();                                          // restores the previous one
+  ScopedInterruptPoll(const ScopedInterruptPoll&) = delete;
+  ScopedInterruptPoll& operator=(const ScopedInterruptPoll&) = delete;
+
+ private:
+  bool (*previous_poll_)(void*);
+  void* previous_context_;
+};
+
 // Kernel variants by instruction set. The best one this CPU supports is chosen at load;
-// ATTNKIT_ISA=avx512bf16|avx512|avx2|generic overrides it, and so does set_isa.
+// ATTNKIT_ISA=avx512bf16|avx512|avx2|generic overrides it (a value naming no variant
+// runnable here is reported once on stderr and the best one used), and so does set_isa.
+// An op reads the choice once when it starts, so set_isa never affects a running op.
 // avx512bf16 differs from avx512 only for bf16 attention, whose Q·Kᵀ it computes with
 // vdpbf16ps (exact bf16 products, fp32 sums); P·V stays in fp32 as everywhere else.
 std::string active_isa();

@@ -19,6 +19,7 @@ enum class DType : uint8_t {
   uint8,
   int32,
   boolean,  // one byte, 0 or 1 (numpy/torch bool); used for masks
+  int64,    // index arrays (numpy's and torch's default integer)
 };
 
 size_t dtype_size(DType dtype);

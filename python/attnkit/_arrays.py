@@ -1,8 +1,9 @@
 """Array plumbing between numpy / torch and attnkit._C.
 
-The extension takes arrays through DLPack or the buffer protocol, paired with the name of
+The extension takes numpy arrays through the buffer protocol, paired with the name of
 their element type: numpy cannot express bf16/fp8 natively, so ml_dtypes arrays travel as
-same-width integer views and the name carries the real type.
+same-width integer views and the name carries the real type. torch tensors travel as
+(address, shape, strides, dtype name): a DLPack export costs microseconds per tensor.
 """
 
 import functools
@@ -21,6 +22,7 @@ _NUMPY_NAMES = {
     np.dtype(np.int8): "int8",
     np.dtype(np.uint8): "uint8",
     np.dtype(np.int32): "int32",
+    np.dtype(np.int64): "int64",
     np.dtype(np.bool_): "boolean",
 }
 if ml_dtypes is not None:
@@ -29,7 +31,7 @@ if ml_dtypes is not None:
         np.dtype(ml_dtypes.float8_e4m3fn): "float8_e4m3fn",
         np.dtype(ml_dtypes.float8_e5m2): "float8_e5m2",
     })
-_NUMPY_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+_NUMPY_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _NUMPY_FROM_NAME = {name: dtype for dtype, name in _NUMPY_NAMES.items()}
 
 
@@ -38,6 +40,20 @@ def _torch():
     before a torch tensor reaches it: importing it costs seconds, and its OpenMP runtime
     reads its settings (e.g. OMP_WAIT_POLICY) at that moment."""
     return sys.modules.get("torch")
+
+
+class _TorchNames(dict):
+    """torch dtype -> attnkit dtype name, filled on first use (torch is imported by then)."""
+
+    def __missing__(self, dtype):
+        if not self:
+            self.update(_torch_tables()[0])
+            if dtype in self:
+                return self[dtype]
+        raise KeyError(dtype)
+
+
+_TORCH_NAMES = _TorchNames()
 
 
 @functools.cache
@@ -52,10 +68,10 @@ def _torch_tables():
         torch.int8: "int8",
         torch.uint8: "uint8",
         torch.int32: "int32",
+        torch.int64: "int64",
         torch.bool: "boolean",
     }
-    as_bytes = {torch.float8_e4m3fn, torch.float8_e5m2, torch.bool}
-    return names, as_bytes, {name: dtype for dtype, name in names.items()}
+    return names, {name: dtype for dtype, name in names.items()}
 
 
 def is_torch(x) -> bool:
@@ -68,48 +84,57 @@ def kind_of(x, name: str) -> str:
     if isinstance(x, np.ndarray):
         return "numpy"
     if is_torch(x):
-        if x.device.type != "cpu":
+        if not x.is_cpu:
             raise ValueError(f"{name} must be a CPU tensor, got device {x.device}")
         return "torch"
     raise ValueError(f"{name} must be a numpy array or a torch tensor, got {type(x).__name__}")
 
 
-def dtype_name(x, name: str) -> str:
-    table = _torch_tables()[0] if is_torch(x) else _NUMPY_NAMES
+# What each kind of argument takes, for the message on a dtype attnkit does not know at all
+# (float64, int64: numpy's and torch's defaults); a known dtype that the op does not take
+# gets the op's own message from the C++ contract.
+FLOAT = "float32, float16 or bfloat16"
+MASK = "bool or float32/float16/bfloat16"
+
+
+def dtype_name(x, name: str, takes: str) -> str:
+    table = _NUMPY_NAMES if isinstance(x, np.ndarray) else _torch_tables()[0]
     try:
         return table[x.dtype]
     except KeyError:
-        supported = ", ".join(sorted(set(table.values())))
-        raise ValueError(f"{name} has unsupported dtype {x.dtype}; attnkit takes {supported} "
-                         "(each op accepts a subset, named in its docstring)") from None
+        raise ValueError(f"{name} must be {takes}, got {x.dtype}") from None
 
 
-def typed(x, name: str):
-    """(array the extension can import, dtype name) for a numpy array or torch tensor."""
-    dname = dtype_name(x, name)
-    if is_torch(x):
-        x = x.detach()
-        if x.dtype in _torch_tables()[1]:
-            x = x.view(_torch().uint8)
-        return x, dname
+def typed(x, name: str, takes: str = FLOAT):
+    """What the extension takes for a numpy array or torch tensor: (array, dtype name), or
+    (address, shape, strides, dtype name) for a tensor (the caller keeps it alive)."""
+    if not isinstance(x, np.ndarray):
+        try:
+            # a plain tuple: nanobind reads a torch.Size (a tuple subclass) ~1 us slower
+            return x.data_ptr(), tuple(x.shape), x.stride(), _TORCH_NAMES[x.dtype]
+        except KeyError:
+            raise ValueError(f"{name} must be {takes}, got {x.dtype}") from None
+        except RuntimeError:  # no strides or storage: sparse and other non-dense layouts
+            raise ValueError(f"{name} must be a dense (strided) tensor, got layout {x.layout}") from None
+    dname = dtype_name(x, name, takes)
     if dname in ("bfloat16", "float8_e4m3fn", "float8_e5m2", "boolean"):
         x = x.view(_NUMPY_BITS[x.dtype.itemsize])
     return x, dname
 
 
-def typed_output(x, name: str):
+def typed_output(x, name: str, takes: str = FLOAT):
     """typed() for an array attnkit writes into: it must be writable."""
     if isinstance(x, np.ndarray) and not x.flags.writeable:
         raise ValueError(f"{name} must be a writable array, got a read-only one")
-    return typed(x, name)
+    return typed(x, name, takes)
 
 
-def typed_or_none(x, name: str):
-    return None if x is None else typed(x, name)
+def typed_or_none(x, name: str, takes: str = FLOAT):
+    return None if x is None else typed(x, name, takes)
 
 
 def empty_like_kind(kind: str, shape, dtype_name_: str):
     """A new uninitialised array of the given kind, shape and attnkit dtype name."""
     if kind == "torch":
-        return _torch().empty(shape, dtype=_torch_tables()[2][dtype_name_])
+        return _torch().empty(shape, dtype=_torch_tables()[1][dtype_name_], device="cpu")
     return np.empty(shape, dtype=_NUMPY_FROM_NAME[dtype_name_])

@@ -4,11 +4,19 @@ torch.compile(fullgraph=True) traces them and torch.library.opcheck passes.
 attnkit::attention is functional; attnkit::attention_out writes caller buffers (mutated
 arguments). Seeds travel as int64 (two's complement of the uint64 seed); None means a fresh
 seed drawn at run time, never at trace time.
+
+No op has a backward yet: each op's Autograd kernel refuses an input that requires grad
+while grad mode is on (a ValueError naming it), instead of torch's default of a warning and
+a None gradient. Eager calls of attnkit.attention on plain tensors skip the dispatcher and
+call the kernel directly (the dispatcher and a Python kernel cost ~20 us a call); under
+torch.compile, tensor subclasses or dispatch modes the registered op runs as before.
 """
 
 import torch
 
-from .ops import attention_shapes, run_attention
+from . import _C
+from ._arrays import MASK, typed, typed_or_none
+from .ops import attention_shapes, run_attention, shapes_of
 from .sage import run_sage
 from .sparse_mla import run_sparse_mla
 
@@ -27,10 +35,34 @@ def _seed_from_op(seed):
     return None if seed is None else seed % 2**64
 
 
+def check_no_grad(op_name, named):
+    """ValueError if grad mode is on and a tensor in named ((name, value) pairs) requires
+    grad: attnkit has no backward yet, and torch would otherwise leave its grad None."""
+    if not torch.is_grad_enabled():
+        return
+    for name, x in named:
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            raise ValueError(
+                f"{op_name} has no backward yet, and {name} requires grad: call it under "
+                f"torch.no_grad() or torch.inference_mode(), or pass {name}.detach()")
+
+
+def eager(tensors) -> bool:
+    """Whether a call may skip the dispatcher: not tracing, no dispatch mode active, and
+    every tensor a plain torch.Tensor (subclasses such as FakeTensor need the dispatcher).
+    is_compiling() comes first: under dynamo it is True and the rest is never traced."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return False
+    for t in tensors:
+        if t is not None and type(t) is not torch.Tensor:
+            return False
+    return True
+
+
 def _attention_impl(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout):
     out_shape, lse_shape = attention_shapes(q, k, v, layout)
-    out = torch.empty(out_shape, dtype=q.dtype)
-    lse = torch.empty(lse_shape, dtype=torch.float32)
+    out = q.new_empty(out_shape)
+    lse = q.new_empty(lse_shape, dtype=torch.float32)
     run_attention(q, k, v, attn_mask, causal, scale, dropout_p, _seed_from_op(seed), enable_gqa,
                   layout, out, lse)
     return out, lse
@@ -89,8 +121,8 @@ _LIB.define("sage_attention(Tensor q, Tensor k, Tensor v, int causal, float? sca
 
 def _sage_impl(q, k, v, causal, scale, layout, mode):
     out_shape, lse_shape = attention_shapes(q, k, v, layout)
-    out = torch.empty(out_shape, dtype=q.dtype)
-    lse = torch.empty(lse_shape, dtype=torch.float32)
+    out = q.new_empty(out_shape)
+    lse = q.new_empty(lse_shape, dtype=torch.float32)
     run_sage(q, k, v, causal, scale, layout, mode, out, lse)
     return out, lse
 
@@ -106,8 +138,7 @@ torch.library.register_fake("attnkit::sage_attention", _sage_fake, lib=_LIB)
 
 def sage_attention(q, k, v, causal, scale, layout, mode):
     """The torch path of attnkit.sage_attention: (out, lse)."""
-    return torch.ops.attnkit.sage_attention(q, k, v, causal, None if scale is None else float(scale),
-                                            layout, mode)
+    return torch.ops.attnkit.sage_attention(q, k, v, causal, scale, layout, mode)
 
 
 _LIB.impl("attention", _attention_impl, "CPU")
@@ -116,18 +147,53 @@ torch.library.register_fake("attnkit::attention", _attention_fake, lib=_LIB)
 torch.library.register_fake("attnkit::attention_out", _attention_out_fake, lib=_LIB)
 
 
+def register_grad_refusal(op_name, lib=_LIB):
+    """Makes torch.ops.attnkit.<op_name> refuse inputs that require grad (check_no_grad) in
+    its Autograd kernel; `lib` is the library (fragment) that defined the op."""
+    op = getattr(torch.ops.attnkit, op_name).default
+    names = [a.name for a in op._schema.arguments]
+
+    def kernel(keyset, *args):
+        check_no_grad(f"torch.ops.attnkit.{op_name}", zip(names, args))
+        return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+
+    lib.impl(op_name, kernel, "Autograd", with_keyset=True)
+
+
+for _name in ("attention", "attention_out", "sage_attention", "sparse_mla_prefill_fwd",
+              "sparse_mla_q8kv8_prefill_fwd"):
+    register_grad_refusal(_name)
+
+
 def attention(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout, return_lse,
               out):
-    """The torch path of attnkit.attention (arguments already checked for kind)."""
-    scale = None if scale is None else float(scale)
+    """The torch path of attnkit.attention (arguments already checked for kind and value)."""
+    if eager((q, k, v, attn_mask, out)):
+        check_no_grad("attnkit.attention", (("q", q), ("k", k), ("v", v), ("attn_mask", attn_mask),
+                                            ("out", out)))
+        # run_attention's call, each tensor's shape read once and a new out described
+        # without asking torch (each tensor attribute read costs ~0.2 us)
+        tq, tk, tv = typed(q, "q"), typed(k, "k"), typed(v, "v")
+        out_shape, lse_shape = shapes_of(tq[1], tk[1], tv[1], layout)
+        if out is None:
+            out = q.new_empty(out_shape)
+            b, x, y, d = out_shape
+            t_out = (out.data_ptr(), out_shape, (x * y * d, y * d, d, 1), tq[3])
+        else:
+            t_out = typed(out, "out")
+        lse = q.new_empty(lse_shape, dtype=torch.float32) if return_lse else None
+        _C.attention(tq, tk, tv, t_out, None if lse is None else typed(lse, "lse", "float32"),
+                     typed_or_none(attn_mask, "attn_mask", MASK), causal, scale, dropout_p, seed,
+                     enable_gqa, layout)
+        return (out, lse) if return_lse else out
     seed = _seed_to_op(seed)
     if out is None:
-        out, lse = torch.ops.attnkit.attention(q, k, v, attn_mask, causal, scale,
-                                               float(dropout_p), seed, enable_gqa, layout)
+        out, lse = torch.ops.attnkit.attention(q, k, v, attn_mask, causal, scale, dropout_p, seed,
+                                               enable_gqa, layout)
         return (out, lse) if return_lse else out
     lse = None
     if return_lse:
-        lse = torch.empty(attention_shapes(q, k, v, layout)[1], dtype=torch.float32)
-    torch.ops.attnkit.attention_out(q, k, v, attn_mask, causal, scale, float(dropout_p), seed,
+        lse = q.new_empty(attention_shapes(q, k, v, layout)[1], dtype=torch.float32)
+    torch.ops.attnkit.attention_out(q, k, v, attn_mask, causal, scale, dropout_p, seed,
                                     enable_gqa, layout, out, lse)
     return (out, lse) if return_lse else out

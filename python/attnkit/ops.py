@@ -1,55 +1,125 @@
 """attnkit's public ops. Each docstring is the op's specification; the float64 reference
 in tests/python/reference.py restates it as code."""
 
-import math
+import numbers
+
+import numpy as np
 
 from . import _C
-from ._arrays import empty_like_kind, kind_of, typed, typed_or_none, typed_output
+from ._arrays import (FLOAT, MASK, _torch, dtype_name, empty_like_kind, is_torch, kind_of, typed,
+                      typed_or_none, typed_output)
 
-_CAUSAL = {False: 0, None: 0, True: 1, "top_left": 1, "bottom_right": 2}
+_CAUSAL_NAMES = {"top_left": 1, "bottom_right": 2}
 _LAYOUTS = ("BHSD", "BSHD")
 
 
+def flag(x, name: str) -> bool:
+    """A bool argument: True/False (numpy's np.bool_ too); anything else is a ValueError, so
+    that "yes", 1 or a tensor never means True by accident."""
+    if x is False or x is True:
+        return x
+    if isinstance(x, np.bool_):
+        return bool(x)
+    raise ValueError(f"{name} must be True or False, got {x!r}")
+
+
 def causal_code(causal) -> int:
+    if causal is False or causal is None:
+        return 0
+    if causal is True or isinstance(causal, (bool, np.bool_)):
+        return int(bool(causal))
+    if isinstance(causal, str) and causal in _CAUSAL_NAMES:
+        return _CAUSAL_NAMES[causal]
+    raise ValueError(f'causal must be False, True, "top_left" or "bottom_right", got {causal!r}')
+
+
+def _is_real_array(x) -> bool:
+    """A numpy array or tensor holding one real (not bool, not complex) number."""
+    if x.ndim > 1 or (x.ndim == 1 and x.shape[0] != 1):
+        return False
+    if is_torch(x):
+        return not x.dtype.is_complex and x.dtype is not _torch().bool
+    return x.dtype.kind in "iuf"
+
+
+def real_scalar(x, name: str) -> float:
+    """A scale as a Python float: an int, a float, a numpy real scalar, or a 0-d (or
+    one-element) numpy array or tensor of a real dtype. Bools, strings and the rest are a
+    ValueError, and so is a number past float's range (10**400), never an OverflowError."""
+    if type(x) is float:  # the common case, first: this is on every call's path
+        return x
+    value = x
+    if isinstance(x, np.ndarray) or is_torch(x):
+        if not _is_real_array(x):
+            raise ValueError(f"{name} must be a float, got a {type(x).__name__} of dtype {x.dtype} "
+                             f"and shape {list(x.shape)}")
+        value = x.item()
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a float, got {type(x).__name__}")
     try:
-        return _CAUSAL[causal]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f'causal must be False, True, "top_left" or "bottom_right", got {causal!r}') from None
-
-
-def attention_shapes(q, k, v, layout):
-    """(out shape, lse shape) for the given layout; the C++ op checks everything else."""
-    for x, name in ((q, "q"), (k, "k"), (v, "v")):
-        if len(x.shape) != 4:
-            raise ValueError(f"{name} must be a 4-d tensor (layout {layout}), got "
-                             f"{len(x.shape)}-d {list(x.shape)}")
-    if layout == "BHSD":
-        B, Hq, Sq, _ = q.shape
-        return (B, Hq, Sq, v.shape[3]), (B, Hq, Sq)
-    B, Sq, Hq, _ = q.shape
-    return (B, Sq, Hq, v.shape[3]), (B, Hq, Sq)
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be a float, got {value!r}, past float's range") from None
 
 
 def check_scalars(scale, dropout_p, seed, layout):
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise ValueError(f"scale must be a float or None, got {type(scale).__name__}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise ValueError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+    """(scale or None, dropout_p) as floats; every argument checked."""
+    scale = None if scale is None else real_scalar(scale, "scale")
+    dropout_p = real_scalar(dropout_p, "dropout_p")
+    if seed is not None and (isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral)
                              or not 0 <= seed < 2**64):
         raise ValueError(f"seed must be None or an int in [0, 2**64), got {seed!r}")
     if layout not in _LAYOUTS:
         raise ValueError(f'layout must be "BHSD" or "BSHD", got {layout!r}')
+    return scale, dropout_p
+
+
+_torch_ops = None
+
+
+def torch_ops():
+    """attnkit._torch_ops, imported on the first torch call (it imports torch); kept in a
+    global since an import statement costs about a microsecond on every call."""
+    global _torch_ops
+    if _torch_ops is None:
+        from . import _torch_ops as module
+        _torch_ops = module
+    return _torch_ops
+
+
+def check_kinds(kind, named, required=()):
+    """Every (name, array) in named is of q's kind; None only for names not in required."""
+    for name, x in named:
+        if (x is not None or name in required) and kind_of(x, name) != kind:
+            what = "tensor" if kind == "torch" else "array"
+            raise ValueError(f"{name} must be a {kind} {what} like q, got {type(x).__name__}")
+
+
+def attention_shapes(q, k, v, layout):
+    """(out shape, lse shape) for the given layout; the C++ op checks everything else."""
+    return shapes_of(q.shape, k.shape, v.shape, layout)
+
+
+def shapes_of(q_shape, k_shape, v_shape, layout):
+    """attention_shapes() from the three shapes."""
+    for shape, name in ((q_shape, "q"), (k_shape, "k"), (v_shape, "v")):
+        if len(shape) != 4:
+            raise ValueError(f"{name} must be a 4-d tensor (layout {layout}), got "
+                             f"{len(shape)}-d {list(shape)}")
+    if layout == "BHSD":
+        B, Hq, Sq, _ = q_shape
+        return (B, Hq, Sq, v_shape[3]), (B, Hq, Sq)
+    B, Sq, Hq, _ = q_shape
+    return (B, Sq, Hq, v_shape[3]), (B, Hq, Sq)
 
 
 def run_attention(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout, out, lse):
-    """Calls the kernel on validated kinds; out (and lse, if not None) are caller-owned."""
+    """Calls the kernel on validated kinds and scalars; out (and lse, if not None) are
+    caller-owned."""
     _C.attention(typed(q, "q"), typed(k, "k"), typed(v, "v"), typed_output(out, "out"),
-                 None if lse is None else typed_output(lse, "lse"),
-                 typed_or_none(attn_mask, "attn_mask"), causal,
-                 None if scale is None else float(scale), float(dropout_p), seed,
-                 bool(enable_gqa), layout)
+                 None if lse is None else typed_output(lse, "lse", "float32"),
+                 typed_or_none(attn_mask, "attn_mask", MASK), causal, scale, dropout_p,
+                 None if seed is None else int(seed), enable_gqa, layout)
 
 
 def attention(q, k, v, *, attn_mask=None, causal=False, scale=None, dropout_p=0.0, seed=None,
@@ -80,24 +150,28 @@ def attention(q, k, v, *, attn_mask=None, causal=False, scale=None, dropout_p=0.
       float32 [B, Hq, Sq], natural log, over the visible keys (dropout does not change it).
     - Inputs are numpy arrays (bf16 through ml_dtypes) or CPU torch tensors, never copied
       or modified. out=, if given, must have the exact shape and dtype and not alias an input.
-      torch tensors go through the registered op torch.ops.attnkit.attention, which
-      torch.compile(fullgraph=True) can trace.
+      Under torch.compile, torch tensors go through the registered op
+      torch.ops.attnkit.attention (traced with fullgraph=True); eager calls on plain tensors
+      call the kernel directly, the same computation without the dispatcher's cost.
+    - scale and dropout_p: a Python or numpy number, or a 0-d tensor / array. Flags
+      (enable_gqa, return_lse, causal) are bools: anything else is a ValueError.
+    - No backward yet: a torch input that requires grad, with grad mode on, is a ValueError
+      (call under torch.no_grad() or torch.inference_mode(), or detach the inputs).
 
     Returns out, or (out, lse) with return_lse=True.
     """
     code = causal_code(causal)
-    check_scalars(scale, dropout_p, seed, layout)
+    scale, dropout_p = check_scalars(scale, dropout_p, seed, layout)
+    enable_gqa = flag(enable_gqa, "enable_gqa")
+    return_lse = flag(return_lse, "return_lse")
     kind = kind_of(q, "q")
-    for x, name in ((k, "k"), (v, "v"), (attn_mask, "attn_mask"), (out, "out")):
-        if (x is not None or name in ("k", "v")) and kind_of(x, name) != kind:
-            raise ValueError(f"{name} must be a {kind} array like q, got {type(x).__name__}")
+    check_kinds(kind, (("k", k), ("v", v), ("attn_mask", attn_mask), ("out", out)), ("k", "v"))
     if kind == "torch":
-        from . import _torch_ops
-        return _torch_ops.attention(q, k, v, attn_mask, code, scale, dropout_p, seed, enable_gqa,
-                                    layout, return_lse, out)
+        return torch_ops().attention(q, k, v, attn_mask, code, scale, dropout_p, seed, enable_gqa,
+                                     layout, return_lse, out)
     out_shape, lse_shape = attention_shapes(q, k, v, layout)
     if out is None:
-        out = empty_like_kind("numpy", out_shape, typed(q, "q")[1])
+        out = empty_like_kind("numpy", out_shape, dtype_name(q, "q", FLOAT))
     lse = empty_like_kind("numpy", lse_shape, "float32") if return_lse else None
     run_attention(q, k, v, attn_mask, code, scale, dropout_p, seed, enable_gqa, layout, out, lse)
     return (out, lse) if return_lse else out

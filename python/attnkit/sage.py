@@ -1,8 +1,8 @@
 """SageAttention-style quantized attention."""
 
 from . import _C
-from ._arrays import empty_like_kind, kind_of, typed, typed_output
-from .ops import attention_shapes, causal_code, check_scalars
+from ._arrays import FLOAT, dtype_name, empty_like_kind, kind_of, typed, typed_output
+from .ops import attention_shapes, causal_code, check_kinds, check_scalars, flag
 
 _MODES = ("int8", "fp4")
 
@@ -10,8 +10,8 @@ _MODES = ("int8", "fp4")
 def run_sage(q, k, v, causal, scale, layout, mode, out, lse):
     """Calls the kernel on checked kinds; out (and lse, if not None) are caller-owned."""
     _C.sage_attention(typed(q, "q"), typed(k, "k"), typed(v, "v"), typed_output(out, "out"),
-                      None if lse is None else typed_output(lse, "lse"), causal,
-                      None if scale is None else float(scale), layout, mode)
+                      None if lse is None else typed_output(lse, "lse", "float32"), causal, scale,
+                      layout, mode)
 
 
 def sage_attention(q, k, v, *, causal=False, scale=None, layout="BHSD", mode="int8", return_lse=False):
@@ -44,19 +44,18 @@ def sage_attention(q, k, v, *, causal=False, scale=None, layout="BHSD", mode="in
     torch.ops.attnkit.sage_attention). Returns out, or (out, lse) with return_lse=True.
     """
     code = causal_code(causal)
-    check_scalars(scale, 0.0, None, layout)
+    scale, _ = check_scalars(scale, 0.0, None, layout)
+    return_lse = flag(return_lse, "return_lse")
     if mode not in _MODES:
         raise ValueError(f'mode must be "int8" or "fp4", got {mode!r}')
     kind = kind_of(q, "q")
-    for x, name in ((k, "k"), (v, "v")):
-        if kind_of(x, name) != kind:
-            raise ValueError(f"{name} must be a {kind} array like q, got {type(x).__name__}")
+    check_kinds(kind, (("k", k), ("v", v)), ("k", "v"))
     if kind == "torch":
         from . import _torch_ops
         out, lse = _torch_ops.sage_attention(q, k, v, code, scale, layout, mode)
         return (out, lse) if return_lse else out
     out_shape, lse_shape = attention_shapes(q, k, v, layout)
-    out = empty_like_kind("numpy", out_shape, typed(q, "q")[1])
+    out = empty_like_kind("numpy", out_shape, dtype_name(q, "q", FLOAT))
     lse = empty_like_kind("numpy", lse_shape, "float32") if return_lse else None
     run_sage(q, k, v, code, scale, layout, mode, out, lse)
     return (out, lse) if return_lse else out

@@ -4,6 +4,9 @@ import numpy as np
 
 from . import _C
 from ._arrays import empty_like_kind, is_torch, kind_of, typed, typed_or_none, typed_output
+from .ops import check_kinds, real_scalar
+
+_QKV = "bfloat16 or float8_e4m3fn"
 
 _SEMANTICS = """
     Shapes: q [s_q, h_q, d_qk] and kv [s_kv, h_kv=1, d_qk], both bfloat16 or both
@@ -45,11 +48,12 @@ def _scale_array(x, name, kind, strict):
     as a Python float."""
     if x is None or kind_of_or_none(x) is not None:
         return x
-    if strict or isinstance(x, bool) or not isinstance(x, (int, float)):
+    if strict:
         raise ValueError(f"{name} must be a float32 tensor with one element, got {type(x).__name__}")
+    x = real_scalar(x, name)
     if kind == "torch":
         import torch
-        return torch.tensor([float(x)], dtype=torch.float32)
+        return torch.tensor([x], dtype=torch.float32)
     return np.array([x], dtype=np.float32)
 
 
@@ -63,25 +67,23 @@ def run_sparse_mla(strict, q, kv, indices, sm_scale, d_v, q_scale, kv_scale, att
                    out, max_logits, lse):
     """Calls the kernel; every array argument is already of one kind and outputs exist."""
     fn = _C.sparse_mla_q8kv8_prefill_fwd if strict else _C.sparse_mla_prefill_fwd
-    fn(typed(q, "q"), typed(kv, "kv"), typed(indices, "indices"), float(sm_scale), d_v,
-       typed_or_none(q_scale, "q_scale"), typed_or_none(kv_scale, "kv_scale"),
-       typed_or_none(attn_sink, "attn_sink"), typed_or_none(topk_length, "topk_length"),
-       typed_output(out, "out"), typed_output(max_logits, "max_logits"), typed_output(lse, "lse"))
+    fn(typed(q, "q", _QKV), typed(kv, "kv", _QKV), typed(indices, "indices", "int32"), sm_scale, d_v,
+       typed_or_none(q_scale, "q_scale", "float32"), typed_or_none(kv_scale, "kv_scale", "float32"),
+       typed_or_none(attn_sink, "attn_sink", "float32"), typed_or_none(topk_length, "topk_length", "int32"),
+       typed_output(out, "out", "bfloat16"), typed_output(max_logits, "max_logits", "float32"),
+       typed_output(lse, "lse", "float32"))
 
 
 def _call(strict, q, kv, indices, sm_scale, d_v, q_scale, kv_scale, attn_sink, topk_length, out,
           max_logits, lse):
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
-        raise ValueError(f"sm_scale must be a float, got {type(sm_scale).__name__}")
+    sm_scale = real_scalar(sm_scale, "sm_scale")
     kind = kind_of(q, "q")
     q_scale = _scale_array(q_scale, "q_scale", kind, strict)
     kv_scale = _scale_array(kv_scale, "kv_scale", kind, strict)
     named = (("kv", kv), ("indices", indices), ("q_scale", q_scale), ("kv_scale", kv_scale),
              ("attn_sink", attn_sink), ("topk_length", topk_length), ("out", out),
              ("max_logits", max_logits), ("lse", lse))
-    for name, x in named:
-        if (x is not None or name in ("kv", "indices")) and kind_of(x, name) != kind:
-            raise ValueError(f"{name} must be a {kind} array like q, got {type(x).__name__}")
+    check_kinds(kind, named, ("kv", "indices"))
     out_shape, stat_shape = _shapes(q, d_v)
     if out is None:
         out = empty_like_kind(kind, out_shape, "bfloat16")
@@ -89,7 +91,7 @@ def _call(strict, q, kv, indices, sm_scale, d_v, q_scale, kv_scale, attn_sink, t
         max_logits = empty_like_kind(kind, stat_shape, "float32")
     if lse is None:
         lse = empty_like_kind(kind, stat_shape, "float32")
-    args = (q, kv, indices, float(sm_scale), d_v, q_scale, kv_scale, attn_sink, topk_length, out,
+    args = (q, kv, indices, sm_scale, d_v, q_scale, kv_scale, attn_sink, topk_length, out,
             max_logits, lse)
     if kind == "torch":
         from . import _torch_ops

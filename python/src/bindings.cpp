@@ -2,16 +2,22 @@
 // calls the C++ API with the GIL released; every check lives in the op layer (src/ops).
 // Arrays arrive through DLPack/the buffer protocol (numpy, torch) as (array, dtype name)
 // pairs: the Python layer names the element type, since numpy cannot express bf16/fp8.
+// torch tensors arrive as (address, shape, strides, dtype name) instead: exporting a tensor
+// through DLPack costs microseconds per tensor, a large share of a decode step's call.
+// Ops run with the GIL released and, on the main thread, stop at Ctrl-C (run_op).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
 #include <optional>
 #include <string>
 #include <tuple>
+#include <variant>
+#include <vector>
 
 #include "attnkit/attnkit.h"
 
@@ -20,12 +26,32 @@ using namespace nb::literals;
 
 namespace {
 
+// A strided CPU tensor described by the caller (strides in elements), which keeps it
+// alive for the call; only attnkit's Python layer builds these, from torch tensors.
+using RawArray = std::tuple<uintptr_t, std::vector<int64_t>, std::vector<int64_t>, std::string>;
 // Inputs may be read-only (nb::ro); outputs must be writable.
-using InArray = std::tuple<nb::ndarray<nb::ro, nb::device::cpu>, std::string>;
-using OutArray = std::tuple<nb::ndarray<nb::device::cpu>, std::string>;
+using InArray = std::variant<RawArray, std::tuple<nb::ndarray<nb::ro, nb::device::cpu>, std::string>>;
+using OutArray = std::variant<RawArray, std::tuple<nb::ndarray<nb::device::cpu>, std::string>>;
 
-template <class TypedArray>
-attnkit::TensorView to_view(const TypedArray& typed, const char* name) {
+attnkit::TensorView to_view(const RawArray& raw, const char* name) {
+  const auto& [address, shape, strides, dtype_name] = raw;
+  if (shape.size() != strides.size() || shape.size() > static_cast<size_t>(attnkit::kMaxRank)) {
+    throw attnkit::Error(std::string(name) + " must have at most " + std::to_string(attnkit::kMaxRank) +
+                         " dimensions, got " + std::to_string(shape.size()));
+  }
+  attnkit::TensorView view;
+  view.dtype = attnkit::dtype_from_name(dtype_name);
+  view.data = reinterpret_cast<void*>(address);
+  view.rank = static_cast<int>(shape.size());
+  for (int d = 0; d < view.rank; ++d) {
+    view.shape[d] = shape[d];
+    view.strides[d] = strides[d];
+  }
+  return view;
+}
+
+template <class Array>
+attnkit::TensorView to_view(const std::tuple<Array, std::string>& typed, const char* name) {
   const auto& [array, dtype_name] = typed;
   attnkit::TensorView view;
   view.dtype = attnkit::dtype_from_name(dtype_name);
@@ -47,11 +73,44 @@ attnkit::TensorView to_view(const TypedArray& typed, const char* name) {
   return view;
 }
 
+template <class... Forms>
+attnkit::TensorView to_view(const std::variant<Forms...>& typed, const char* name) {
+  return std::visit([name](const auto& form) { return to_view(form, name); }, typed);
+}
+
 template <class TypedArray>
 std::optional<attnkit::TensorView> to_view(const std::optional<TypedArray>& typed,
                                            const char* name) {
   if (!typed) return std::nullopt;
   return to_view(*typed, name);
+}
+
+// Ctrl-C while an op runs with the GIL released: Python's handler cannot run until the call
+// returns, so the op polls (runtime.h, on its calling thread, about every 10 ms) and the poll
+// takes the GIL and runs the pending signal handlers. If one raised (KeyboardInterrupt), the
+// op stops and that exception is raised from the call. Only the main thread runs signal
+// handlers, so calls on other threads install no poll.
+unsigned long main_thread_ident = 0;
+
+bool run_signal_handlers(void*) {
+  nb::gil_scoped_acquire gil;
+  return PyErr_CheckSignals() != 0;  // the exception stays set on this thread until run_op raises it
+}
+
+template <class F>
+void run_op(const F& op) {
+  const bool main_thread = PyThread_get_thread_ident() == main_thread_ident;
+  bool interrupted = false;
+  {
+    nb::gil_scoped_release release;
+    attnkit::ScopedInterruptPoll poll(main_thread ? run_signal_handlers : nullptr, nullptr);
+    try {
+      op();
+    } catch (const attnkit::Interrupted&) {
+      interrupted = true;
+    }
+  }
+  if (interrupted) throw nb::python_error();
 }
 
 attnkit::Layout parse_layout(const std::string& layout) {
@@ -82,8 +141,7 @@ void attention(const InArray& q, const InArray& k, const InArray& v, const OutAr
   args.seed = seed;
   args.enable_gqa = enable_gqa;
   args.layout = parse_layout(layout);
-  nb::gil_scoped_release release;
-  attnkit::attention(args);
+  run_op([&] { attnkit::attention(args); });
 }
 
 attnkit::SparseMlaArgs sparse_mla_args(const InArray& q, const InArray& kv, const InArray& indices,
@@ -115,8 +173,7 @@ void sparse_mla(const InArray& q, const InArray& kv, const InArray& indices, dou
                 const OutArray& out, const OutArray& max_logits, const OutArray& lse) {
   const attnkit::SparseMlaArgs args = sparse_mla_args(q, kv, indices, sm_scale, d_v, q_scale, kv_scale, attn_sink,
                                                       topk_length, out, max_logits, lse);
-  nb::gil_scoped_release release;
-  Op(args);
+  run_op([&] { Op(args); });
 }
 
 void sage_attention(const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
@@ -138,8 +195,60 @@ void sage_attention(const InArray& q, const InArray& k, const InArray& v, const 
   } else {
     throw attnkit::Error("mode must be \"int8\" or \"fp4\", got \"" + mode + "\"");
   }
-  nb::gil_scoped_release release;
-  attnkit::sage_attention(args);
+  run_op([&] { attnkit::sage_attention(args); });
+}
+
+void varlen_attention(const InArray& q, const InArray& k, const InArray& v, const InArray& cu_seqlens_q,
+                      const InArray& cu_seqlens_k, const OutArray& out, const std::optional<OutArray>& lse,
+                      std::optional<int64_t> max_seqlen_q, std::optional<int64_t> max_seqlen_k, bool causal,
+                      std::optional<double> scale) {
+  attnkit::VarlenAttentionArgs args;
+  args.q = to_view(q, "q");
+  args.k = to_view(k, "k");
+  args.v = to_view(v, "v");
+  args.cu_seqlens_q = to_view(cu_seqlens_q, "cu_seqlens_q");
+  args.cu_seqlens_k = to_view(cu_seqlens_k, "cu_seqlens_k");
+  args.out = to_view(out, "out");
+  args.lse = to_view(lse, "lse");
+  args.max_seqlen_q = max_seqlen_q;
+  args.max_seqlen_k = max_seqlen_k;
+  args.causal = causal;
+  args.scale = scale;
+  run_op([&] { attnkit::varlen_attention(args); });
+}
+
+void paged_attention(const InArray& q, const InArray& k_cache, const InArray& v_cache, const InArray& block_table,
+                     const InArray& seq_lens, const InArray& cu_seqlens_q, const OutArray& out,
+                     const std::optional<OutArray>& lse, const std::optional<InArray>& k_scale,
+                     const std::optional<InArray>& v_scale, bool causal, std::optional<double> scale) {
+  attnkit::PagedAttentionArgs args;
+  args.q = to_view(q, "q");
+  args.k_cache = to_view(k_cache, "k_cache");
+  args.v_cache = to_view(v_cache, "v_cache");
+  args.block_table = to_view(block_table, "block_table");
+  args.seq_lens = to_view(seq_lens, "seq_lens");
+  args.cu_seqlens_q = to_view(cu_seqlens_q, "cu_seqlens_q");
+  args.out = to_view(out, "out");
+  args.lse = to_view(lse, "lse");
+  args.k_scale = to_view(k_scale, "k_scale");
+  args.v_scale = to_view(v_scale, "v_scale");
+  args.causal = causal;
+  args.scale = scale;
+  run_op([&] { attnkit::paged_attention(args); });
+}
+
+void append_kv_cache(const InArray& k, const InArray& v, const OutArray& k_cache, const OutArray& v_cache,
+                     const InArray& slot_mapping, const std::optional<InArray>& k_scale,
+                     const std::optional<InArray>& v_scale) {
+  attnkit::AppendKvCacheArgs args;
+  args.k = to_view(k, "k");
+  args.v = to_view(v, "v");
+  args.k_cache = to_view(k_cache, "k_cache");
+  args.v_cache = to_view(v_cache, "v_cache");
+  args.slot_mapping = to_view(slot_mapping, "slot_mapping");
+  args.k_scale = to_view(k_scale, "k_scale");
+  args.v_scale = to_view(v_scale, "v_scale");
+  run_op([&] { attnkit::append_kv_cache(args); });
 }
 
 void cast(const InArray& src, const OutArray& dst) {
@@ -150,9 +259,22 @@ void cast(const InArray& src, const OutArray& dst) {
   attnkit::cast(s.data, s.dtype, d.data, d.dtype, static_cast<size_t>(s.numel()));
 }
 
+void merge_attention_states(const InArray& out_a, const InArray& lse_a, const InArray& out_b, const InArray& lse_b,
+                            const OutArray& out, const OutArray& lse_out) {
+  attnkit::MergeStatesArgs args;
+  args.out_a = to_view(out_a, "out_a");
+  args.lse_a = to_view(lse_a, "lse_a");
+  args.out_b = to_view(out_b, "out_b");
+  args.lse_b = to_view(lse_b, "lse_b");
+  args.out = to_view(out, "out");
+  args.lse_out = to_view(lse_out, "lse_out");
+  run_op([&] { attnkit::merge_attention_states(args); });
+}
+
 }  // namespace
 
 NB_MODULE(_C, m) {
+  main_thread_ident = nb::cast<unsigned long>(nb::module_::import_("threading").attr("main_thread")().attr("ident"));
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);
@@ -173,6 +295,13 @@ NB_MODULE(_C, m) {
   m.def("sparse_mla_q8kv8_prefill_fwd", &sparse_mla<&attnkit::sparse_mla_q8kv8_prefill_fwd>, "q"_a, "kv"_a,
         "indices"_a, "sm_scale"_a, "d_v"_a, "q_scale"_a.none(), "kv_scale"_a.none(), "attn_sink"_a.none(),
         "topk_length"_a.none(), "out"_a, "max_logits"_a, "lse"_a);
+  m.def("varlen_attention", &varlen_attention, "q"_a, "k"_a, "v"_a, "cu_seqlens_q"_a, "cu_seqlens_k"_a, "out"_a,
+        "lse"_a.none(), "max_seqlen_q"_a.none(), "max_seqlen_k"_a.none(), "causal"_a, "scale"_a.none());
+  m.def("paged_attention", &paged_attention, "q"_a, "k_cache"_a, "v_cache"_a, "block_table"_a, "seq_lens"_a,
+        "cu_seqlens_q"_a, "out"_a, "lse"_a.none(), "k_scale"_a.none(), "v_scale"_a.none(), "causal"_a,
+        "scale"_a.none());
+  m.def("append_kv_cache", &append_kv_cache, "k"_a, "v"_a, "k_cache"_a, "v_cache"_a, "slot_mapping"_a,
+        "k_scale"_a.none(), "v_scale"_a.none());
   m.def("set_num_threads", &attnkit::set_num_threads, "n"_a);
   m.def("get_num_threads", &attnkit::get_num_threads);
   m.def("active_isa", &attnkit::active_isa);
@@ -185,4 +314,6 @@ NB_MODULE(_C, m) {
   m.def("version", &attnkit::version);
   m.def("build_info", &attnkit::build_info);
   m.def("cpu_features", &attnkit::cpu_features);
+  m.def("merge_attention_states", &merge_attention_states, "out_a"_a, "lse_a"_a, "out_b"_a, "lse_b"_a, "out"_a,
+        "lse_out"_a);
 }

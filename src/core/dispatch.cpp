@@ -3,6 +3,7 @@
 #include "core/dispatch.h"
 
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -78,16 +79,36 @@ const Variant* find(const std::string& name) {
   return nullptr;
 }
 
-const Variant* initial_variant() {
-  if (const char* env = std::getenv("ATTNKIT_ISA")) {
-    if (const Variant* v = find(env)) return v;
-    // An unusable override must not silently change numerics: fail loudly at first use.
-    throw Error(std::string("ATTNKIT_ISA=") + env + " is not supported on this machine");
-  }
+std::string runnable_names() {
+  std::string names;
   for (const Variant& v : variants()) {
-    if (v.runnable()) return &v;
+    if (v.runnable()) names += (names.empty() ? "" : ", ") + std::string(v.table->isa);
   }
-  return &variants().back();
+  return names;
+}
+
+// The best runnable variant, or ATTNKIT_ISA's. A value naming no variant runnable here is
+// reported once (this runs once) and the best one used: an image or job script that sets
+// ATTNKIT_ISA on every machine must not break attnkit on a CPU that lacks that variant, and
+// every variant computes the same results within the documented tolerances. set_isa()
+// raises instead, for code that needs one variant.
+const Variant* initial_variant() {
+  const Variant* best = &variants().back();
+  for (const Variant& v : variants()) {
+    if (v.runnable()) {
+      best = &v;
+      break;
+    }
+  }
+  const char* env = std::getenv("ATTNKIT_ISA");
+  if (!env || !*env) return best;
+  if (const Variant* v = find(env)) return v;
+  bool compiled = false;
+  for (const Variant& v : variants()) compiled = compiled || env == std::string(v.table->isa);
+  std::fprintf(stderr, "attnkit: warning: ATTNKIT_ISA=\"%s\" is %s (runnable here: %s); using %s\n", env,
+               compiled ? "not supported by this CPU" : "not a kernel variant of this build",
+               runnable_names().c_str(), best->table->isa);
+  return best;
 }
 
 std::atomic<const Variant*>& active() {
@@ -113,9 +134,7 @@ std::vector<std::string> supported_isas() {
 void set_isa(const std::string& name) {
   const Variant* v = find(name);
   if (!v) {
-    std::string have;
-    for (const std::string& s : supported_isas()) have += (have.empty() ? "" : ", ") + s;
-    throw Error("isa must be one of the variants supported here (" + have + "), got \"" + name +
+    throw Error("isa must be one of the variants supported here (" + runnable_names() + "), got \"" + name +
                 "\"");
   }
   active().store(v);

@@ -188,6 +188,7 @@ void visit_dtype(DType dtype, Fn&& fn) {
     case DType::uint8: return fn(Tag<DType::uint8>{});
     case DType::int32: return fn(Tag<DType::int32>{});
     case DType::boolean: return fn(Tag<DType::boolean>{});
+    case DType::int64: return fn(Tag<DType::int64>{});
   }
   throw Error("invalid DType value " + std::to_string(static_cast<int>(dtype)));
 }
@@ -195,7 +196,7 @@ void visit_dtype(DType dtype, Fn&& fn) {
 // Integer and bool types: cast() reads them but never writes them.
 constexpr bool is_source_only(DType dtype) {
   return dtype == DType::int8 || dtype == DType::uint8 || dtype == DType::int32 ||
-         dtype == DType::boolean;
+         dtype == DType::boolean || dtype == DType::int64;
 }
 
 template <DType D>
@@ -209,6 +210,7 @@ template <> struct Storage<DType::int8> { using type = int8_t; };
 template <> struct Storage<DType::uint8> { using type = uint8_t; };
 template <> struct Storage<DType::int32> { using type = int32_t; };
 template <> struct Storage<DType::boolean> { using type = uint8_t; };
+template <> struct Storage<DType::int64> { using type = int64_t; };
 
 template <DType D>
 float to_float(typename Storage<D>::type v) {
@@ -246,8 +248,8 @@ void cast_loop(const void* src, void* dst, size_t n) {
 
 // Indexed by DType; "boolean" is the name attnkit's Python layer passes for bool arrays.
 constexpr const char* kNames[] = {"float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
-                                  "int8",    "uint8",   "int32",    "boolean"};
-constexpr size_t kSizes[] = {4, 2, 2, 1, 1, 1, 1, 4, 1};
+                                  "int8",    "uint8",   "int32",    "boolean", "int64"};
+constexpr size_t kSizes[] = {4, 2, 2, 1, 1, 1, 1, 4, 1, 8};
 static_assert(sizeof(kSizes) / sizeof(kSizes[0]) == sizeof(kNames) / sizeof(kNames[0]));
 constexpr size_t kNumDTypes = sizeof(kNames) / sizeof(kNames[0]);
 

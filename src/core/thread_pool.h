@@ -24,9 +24,15 @@ class TaskFn {
 
 // Runs fn(task, thread) for task in [0, n) on at most max_threads threads of the pool (the
 // caller is thread 0), so thread < max_threads always holds: callers size per-thread
-// workspaces by it. Calls from several host threads at once are serialised.
+// workspaces by it. Calls from several host threads at once are serialised; a call made
+// from inside a task (or from an interrupt poll) runs serially on the calling thread.
+// With an interrupt poll installed on the calling thread (runtime.h) the caller polls it
+// while it waits for another host thread's job and between its tasks; when it asks to stop,
+// no further task starts and Interrupted is thrown once the running ones have finished.
 void parallel_for(int64_t n, int max_threads, TaskFn fn);
+// The thread count the next parallel_for uses; never blocks, does not start the pool.
 int num_threads();
+// Takes effect at the next parallel_for (the pool is rebuilt there); never blocks.
 void set_num_threads(int n);
 
 }  // namespace attnkit::detail

@@ -9,11 +9,13 @@
 // (bf16 inputs, sage) bf16 pairs with P rounded to bf16. Decode (few rows) runs attend_rows:
 // key blocks of one vector with row-major scores. Masks, dropout, splits and the epilogue
 // are shared. Scores never exceed one tile. Compiled once per ISA.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "core/philox.h"
 #include "core/thread_pool.h"
@@ -64,74 +66,144 @@ struct QuantizedKeys {
   int64_t quads, tiles;
 };
 
-// How the work splits into tasks, and the per-thread workspace each task uses.
-struct Plan {
-  int64_t heads_per_task, positions_per_task, head_chunks, q_blocks, row_blocks;
-  int64_t kv_splits, kv_split_len, tasks;  // tasks = row_blocks * kv_splits
-  int64_t rows_pad, d_pad, dv_pad, workspace_floats, partial_floats;
-  bool key_blocks;              // few rows (decode): attend_rows, scores row-major
-  int rows_per_vec;             // decode: query rows side by side in one vector (dot.h)
-  int64_t chunks;               // decode: a Q/K row in chunks of kLanes / rows_per_vec elements (bf16: pairs)
-  int64_t chunked_row;          // decode: chunks × that, the length of a packed K row
-  bool bf16_dot;                // bf16 inputs on avx512bf16: K·Qᵀ with vdpbf16ps
-  bool int8;                    // sage int8 mode: K·Qᵀ on int8 codes
+// One sequence's share of the work: its row blocks (kv heads × head chunks × query blocks,
+// in that order) and the key ranges each splits into. Dense attention has B equal ones.
+struct Sequence {
+  int64_t b, sq, skv;    // queries and keys
+  int64_t row0;          // packed row of query 0 (ragged batches; 0 for dense)
+  int64_t offset;        // causal: query i sees keys j <= i + offset
+  int64_t q_blocks, kv_splits, kv_split_len;
+  int64_t first_row_block, first_task, first_slot;  // slots: partial states (kv_splits > 1)
+};
+
+// How one row block runs: the tile loop, or for few rows (decode) key blocks with row-major
+// scores (attend_rows); and which operands it reads in place.
+struct Mode {
+  bool key_blocks;
+  int rows_per_vec;             // key blocks: query rows side by side in one vector (dot.h)
+  int64_t chunks;               // key blocks: a Q/K row in chunks of kLanes / rows_per_vec elements (bf16: pairs)
+  int64_t chunked_row;          // key blocks: chunks × that, the length of a packed K row
   bool pv_bf16;                 // P·V on bf16 pairs: sage int8, and the bf16 tile loop, on avx512bf16
   bool k_in_place;              // K rows used where they are, without packing
-  bool v_in_place;              // fp32 V rows with unit stride need no packing
   bool v_split_bf16;            // bf16 V rows read in place by the P·V tile; O in split order
+};
+
+// How the work splits into tasks, and the per-thread workspace each task uses.
+struct Plan {
+  int64_t heads_per_task, positions_per_task, head_chunks, row_blocks;
+  int64_t tasks, slots;  // tasks: row blocks × their kv splits; slots: tasks of split row blocks
+  std::vector<Sequence> seqs;  // heavy first
+  int64_t rows_pad, d_pad, dv_pad, workspace_floats, partial_floats;
+  bool bf16_dot;                // bf16 inputs on avx512bf16: K·Qᵀ with vdpbf16ps
+  bool int8;                    // sage int8 mode: K·Qᵀ on int8 codes
+  bool v_in_place;              // fp32 V rows with unit stride need no packing
+  Mode tile;                    // row blocks of more rows
+  Mode few[kLanes / 2 + 1];     // few[r]: row blocks of r rows, where key blocks pay
 
   Plan(const AttentionParams& p, bool int8_mode) {
     int8 = int8_mode;
     heads_per_task = p.group < kRowTarget ? p.group : kRowTarget;
     positions_per_task = kRowTarget / heads_per_task;
     if (positions_per_task > p.Sq) positions_per_task = p.Sq;
+    if (positions_per_task < 1) positions_per_task = 1;
     head_chunks = (p.group + heads_per_task - 1) / heads_per_task;
-    q_blocks = (p.Sq + positions_per_task - 1) / positions_per_task;
-    row_blocks = p.B * p.Hkv * head_chunks * q_blocks;
-    // Too few row blocks to keep the threads busy (decode): split the keys as well, at
-    // least kMinSplitTiles tiles per split; the partial softmax states are merged exactly.
-    // The split depends on the shape only, never on the thread count, so results are
-    // bit-identical for any number of threads.
-    kv_splits = 1;
-    if (row_blocks < kMinParallelTasks) {
-      const int64_t want = (kMinParallelTasks + row_blocks - 1) / row_blocks;
-      const int64_t most = p.Skv / (kMinSplitTiles * kKvTile);
-      kv_splits = want < most ? want : (most > 1 ? most : 1);
-    }
-    kv_split_len = round_up((p.Skv + kv_splits - 1) / kv_splits, kKvTile);
-    tasks = row_blocks * kv_splits;
+    plan_sequences(p);
 
     const int64_t rows = heads_per_task * positions_per_task;
     rows_pad = round_up(rows, kLanes);
     d_pad = round_up(p.D, kLanes);
     dv_pad = round_up(p.Dv, kLanes);
-    key_blocks = !int8 && rows <= kMaxDotRows && 2 * rows <= kLanes;
-    bf16_dot = kDotProducts && !int8 && p.dtype == DType::bfloat16;
-    // bf16 inputs round P to bf16 for P·V, as FlashAttention and torch do: the products
-    // and sums stay fp32, and vdpbf16ps runs it at nearly twice the fp32 FMA rate. Decode
-    // is bound by its reads, so it keeps P in fp32.
-    pv_bf16 = kDotProducts && (int8 || (bf16_dot && !key_blocks));
-    const int64_t elems = bf16_dot ? (p.D + 1) / 2 : p.D;  // per Q/K row: fp32, or bf16 pairs
-    rows_per_vec = rows_per_vector(rows, elems);
-    const int64_t segment = kLanes / rows_per_vec;
-    chunks = (elems + segment - 1) / segment;
-    chunked_row = chunks * segment;
-    // K rows read where they are: fp32 rows of unit stride; for vdpbf16ps, bf16 rows that
-    // are whole pairs (the key block reads whole chunks, so D must fill them there).
-    if (bf16_dot) {
-      k_in_place = p.k_stride[3] == 1 && p.k_stride[2] % 2 == 0 && p.D % 2 == 0 && (!key_blocks || elems % segment == 0);
-    } else {
-      k_in_place = p.dtype == DType::float32 && p.k_stride[3] == 1 && (!key_blocks || elems % segment == 0);
-    }
-    v_in_place = p.dtype == DType::float32 && p.v_stride[3] == 1 && p.Dv == dv_pad;
-    v_split_bf16 = p.dtype == DType::bfloat16 && p.v_stride[3] == 1 && p.Dv % (2 * kLanes) == 0 && !pv_bf16;
+    // fp8 caches (paged) are widened to fp32 as they are packed: the fp32 paths below.
+    bf16_dot = kDotProducts && !int8 && p.dtype == DType::bfloat16 && p.kv_dtype == DType::bfloat16;
+    v_in_place = p.kv_dtype == DType::float32 && p.v_stride[3] == 1 && p.Dv == dv_pad;
+    tile = make_mode(p, rows, false);
+    for (int64_t r = 1; r <= kLanes / 2; ++r) few[r] = make_mode(p, r, !int8 && r <= kMaxDotRows);
     workspace_floats = d_pad * rows_pad            // Qᵀ (or Q rows), scaled
                        + rows_pad * dv_pad         // output accumulators
                        + kKvTile * rows_pad        // Sᵀ, then Pᵀ
                        + kKvTile * d_pad           // K tile (when packed)
                        + kKvTile * dv_pad          // V tile (when packed)
                        + 5 * rows_pad;             // running max, sum, rescale; int8 q scale, sum
-    partial_floats = kv_splits > 1 ? rows_pad * (dv_pad + 2) : 0;  // o, m, l of one split
+    partial_floats = rows_pad * (dv_pad + 2);  // o, m, l of one split
+  }
+
+  // The mode of a row block of `rows` rows: key blocks where they pay (decode rows, and the
+  // last positions of a sequence), else the tile loop.
+  const Mode& mode(int64_t rows) const { return 2 * rows <= kLanes && few[rows].key_blocks ? few[rows] : tile; }
+
+  // The sequence (and its row block) of a task or row block: the last one starting at or before it.
+  const Sequence& sequence_of_task(int64_t task) const {
+    return *(std::upper_bound(seqs.begin(), seqs.end(), task,
+                              [](int64_t t, const Sequence& s) { return t < s.first_task; }) - 1);
+  }
+  const Sequence& sequence_of_row_block(int64_t rb) const {
+    return *(std::upper_bound(seqs.begin(), seqs.end(), rb,
+                              [](int64_t r, const Sequence& s) { return r < s.first_row_block; }) - 1);
+  }
+
+ private:
+  // Sequences heavy first (a stable sort: dense keeps batch order), each row block's keys
+  // split where it alone holds more than 1/kMinParallelTasks of the work (decode: too few
+  // row blocks to keep the threads busy), at least kMinSplitTiles tiles per split; the
+  // partial softmax states are merged exactly. The split depends on the shapes only, never
+  // on the thread count, so results are bit-identical for any number of threads.
+  void plan_sequences(const AttentionParams& p) {
+    seqs.resize(p.B);
+    int64_t total_work = 0;  // Σ over row blocks of rows × keys
+    for (int64_t b = 0; b < p.B; ++b) {
+      Sequence& s = seqs[b];
+      s.b = b;
+      s.row0 = p.q_begin ? p.q_begin[b] : 0;
+      s.sq = p.q_begin ? p.q_begin[b + 1] - p.q_begin[b] : p.Sq;
+      s.skv = p.kv_begin ? p.kv_begin[b + 1] - p.kv_begin[b] : (p.kv_len ? p.kv_len[b] : p.Skv);
+      s.offset = p.q_begin ? (p.causal_bottom_right ? s.skv - s.sq : 0) : p.causal_offset;
+      s.q_blocks = (s.sq + positions_per_task - 1) / positions_per_task;
+      total_work += p.Hkv * head_chunks * s.q_blocks * row_work(s);
+    }
+    std::stable_sort(seqs.begin(), seqs.end(),
+                     [](const Sequence& x, const Sequence& y) { return x.sq * x.skv > y.sq * y.skv; });
+    row_blocks = tasks = slots = 0;
+    for (Sequence& s : seqs) {
+      s.kv_splits = 1;
+      if (total_work > 0) {
+        const int64_t want = (row_work(s) * kMinParallelTasks + total_work - 1) / total_work;
+        const int64_t most = s.skv / (kMinSplitTiles * kKvTile);
+        s.kv_splits = std::max<int64_t>(1, std::min(want, most));
+      }
+      s.kv_split_len = round_up((s.skv + s.kv_splits - 1) / s.kv_splits, kKvTile);
+      const int64_t n = p.Hkv * head_chunks * s.q_blocks;
+      s.first_row_block = row_blocks, s.first_task = tasks, s.first_slot = slots;
+      row_blocks += n;
+      tasks += n * s.kv_splits;
+      if (s.kv_splits > 1) slots += n * s.kv_splits;
+    }
+  }
+  int64_t row_work(const Sequence& s) const { return s.skv * std::min(s.sq, positions_per_task); }
+
+  Mode make_mode(const AttentionParams& p, int64_t rows, bool key_blocks) const {
+    Mode m;
+    m.key_blocks = key_blocks;
+    // bf16 inputs round P to bf16 for P·V, as FlashAttention and torch do: the products
+    // and sums stay fp32, and vdpbf16ps runs it at nearly twice the fp32 FMA rate. Decode
+    // is bound by its reads, so it keeps P in fp32.
+    m.pv_bf16 = kDotProducts && (int8 || (bf16_dot && !key_blocks));
+    const int64_t elems = bf16_dot ? (p.D + 1) / 2 : p.D;  // per Q/K row: fp32, or bf16 pairs
+    m.rows_per_vec = rows_per_vector(rows, elems);
+    const int64_t segment = kLanes / m.rows_per_vec;
+    m.chunks = (elems + segment - 1) / segment;
+    m.chunked_row = m.chunks * segment;
+    // K rows read where they are: fp32 rows of unit stride; for vdpbf16ps, bf16 rows that
+    // are whole pairs (every row starts on a pair: even strides; the key block reads whole
+    // chunks, so D must fill them there).
+    const bool whole_chunks = !key_blocks || elems % segment == 0;
+    if (bf16_dot) {
+      const bool pairs_aligned = p.k_stride[0] % 2 == 0 && p.k_stride[1] % 2 == 0 && p.k_stride[2] % 2 == 0;
+      m.k_in_place = p.k_stride[3] == 1 && pairs_aligned && p.D % 2 == 0 && whole_chunks;
+    } else {
+      m.k_in_place = p.kv_dtype == DType::float32 && p.k_stride[3] == 1 && whole_chunks;
+    }
+    m.v_split_bf16 = p.kv_dtype == DType::bfloat16 && p.v_stride[3] == 1 && p.Dv % (2 * kLanes) == 0 && !m.pv_bf16;
+    return m;
   }
 };
 
@@ -152,10 +224,46 @@ struct Workspace {
   }
 };
 
-// The rows of one task: heads h0 .. h0+nh-1 of kv head kvh, positions i0 .. i0+nq-1.
-// Row r is head h0 + r / nq at position i0 + r % nq.
+// The rows of one task: heads h0 .. h0+nh-1 of kv head kvh, positions i0 .. i0+nq-1 of
+// sequence b (its query 0 at packed row row0). Row r is head h0 + r / nq at position
+// i0 + r % nq. The sequence has skv keys; causal: position i sees keys j <= i + offset.
+// scale multiplies q·k (the softmax scale times the cache's k_scale), v_scale the output.
 struct RowBlock {
   int64_t b, kvh, h0, nh, i0, nq, rows;
+  int64_t row0, skv, offset;
+  float scale, v_scale;
+  const Mode* mode;  // how it runs (Plan::mode)
+};
+
+// Where the K (or V) rows of one (sequence, kv head) lie: row j at base + j * stride
+// (dense, varlen), or in a paged cache at offset j % page_size of page pages[j / page_size]
+// (base + page * page_stride + offset * stride). Rows come in runs at one stride: the whole
+// range when contiguous, a page's worth when paged.
+template <class E>
+struct KvRows {
+  const E* base;
+  int64_t stride;
+  const int32_t* pages = nullptr;  // the sequence's block-table row, or null
+  int64_t page_size = 0, page_stride = 0;
+
+  const E* row(int64_t j) const {
+    return pages ? base + pages[j / page_size] * page_stride + j % page_size * stride : base + j * stride;
+  }
+  // The end of the run of rows that starts at j, at most `end`.
+  int64_t run_end(int64_t j, int64_t end) const {
+    if (!pages) return end;
+    const int64_t page_end = (j / page_size + 1) * page_size;
+    return page_end < end ? page_end : end;
+  }
+  // f(first row, index of that row from j0, rows in the run) for each run of [j0, j0 + n).
+  template <class F>
+  void for_each_run(int64_t j0, int64_t n, F&& f) const {
+    for (int64_t j = j0; j < j0 + n;) {
+      const int64_t e = run_end(j, j0 + n);
+      f(row(j), j - j0, e - j);
+      j = e;
+    }
+  }
 };
 
 // A tile of scores, key j of row r at s[j * key_stride + r * row_stride]: transposed (Sᵀ,
@@ -196,59 +304,68 @@ class PrefetchChooser {
   bool chosen_ = true;
 };
 
-template <DType T>
+// TK is the dtype of K and V: T's, or float8 for paged caches (widened as they are packed).
+template <DType T, DType TK = T>
 class AttentionTask {
   using E = typename Elem<T>::type;
+  using EK = typename Elem<TK>::type;
 
  public:
   AttentionTask(const AttentionParams& p, const Plan& plan, const QuantizedKeys* kq = nullptr)
       : p_(p), plan_(plan), kq_(kq) {}
 
-  RowBlock row_block(int64_t index) const {
+  // Row block `index` of the sequence it belongs to.
+  RowBlock row_block(const Sequence& s, int64_t index) const {
     // Consecutive tasks share a kv head, so its K and V stay in cache between them (cycling
     // through all heads instead streamed shape A's 16 MB of fp32 K and V from memory and
     // measured 7-20% slower); within a head, heavy first: the last query blocks (most keys
     // under a causal mask) come first.
-    const int64_t per_kv = plan_.q_blocks * plan_.head_chunks;
-    const int64_t rest = index / per_kv;
-    const int64_t qb = plan_.q_blocks - 1 - index % per_kv / plan_.head_chunks;
-    const int64_t chunk = index % per_kv % plan_.head_chunks;
+    const int64_t local = index - s.first_row_block;
+    const int64_t per_kv = s.q_blocks * plan_.head_chunks;
+    const int64_t qb = s.q_blocks - 1 - local % per_kv / plan_.head_chunks;
+    const int64_t chunk = local % per_kv % plan_.head_chunks;
     RowBlock rb;
-    rb.kvh = rest % p_.Hkv, rb.b = rest / p_.Hkv;
+    rb.b = s.b, rb.kvh = local / per_kv;
+    rb.row0 = s.row0, rb.skv = s.skv, rb.offset = s.offset;
     rb.i0 = qb * plan_.positions_per_task;
-    rb.nq = p_.Sq - rb.i0 < plan_.positions_per_task ? p_.Sq - rb.i0 : plan_.positions_per_task;
+    rb.nq = s.sq - rb.i0 < plan_.positions_per_task ? s.sq - rb.i0 : plan_.positions_per_task;
     rb.h0 = rb.kvh * p_.group + chunk * plan_.heads_per_task;
     const int64_t nh_left = (rb.kvh + 1) * p_.group - rb.h0;
     rb.nh = nh_left < plan_.heads_per_task ? nh_left : plan_.heads_per_task;
     rb.rows = rb.nh * rb.nq;
+    rb.mode = &plan_.mode(rb.rows);
+    rb.scale = p_.scale * (p_.k_scale ? p_.k_scale[rb.kvh * p_.k_scale_stride] : 1.0f);
+    rb.v_scale = p_.v_scale ? p_.v_scale[rb.kvh * p_.v_scale_stride] : 1.0f;
     return rb;
   }
 
   // Row r of the block's queries: head h0 + r / nq at position i0 + r % nq.
   const E* q_row(const RowBlock& rb, int64_t r) const {
     return static_cast<const E*>(p_.q) + rb.b * p_.q_stride[0] + (rb.h0 + r / rb.nq) * p_.q_stride[1] +
-           (rb.i0 + r % rb.nq) * p_.q_stride[2];
+           (rb.row0 + rb.i0 + r % rb.nq) * p_.q_stride[2];
   }
 
   // Task = (row block, kv split). Without splits it writes the output directly; with
-  // splits it leaves its unnormalised state in `partial` for merge().
+  // splits it leaves its unnormalised state in its slot of `partial` for merge().
   void run(int64_t task, float* workspace, float* partial) const {
-    const RowBlock rb = row_block(task / plan_.kv_splits);
-    const int64_t split = task % plan_.kv_splits;
+    const Sequence& s = plan_.sequence_of_task(task);
+    const int64_t local = task - s.first_task;
+    const RowBlock rb = row_block(s, s.first_row_block + local / s.kv_splits);
+    const int64_t split = local % s.kv_splits;
     Workspace w(workspace, plan_, p_);
-    int64_t kv_end = p_.Skv;
+    int64_t kv_end = rb.skv;
     if (p_.causal) {
-      const int64_t last_visible = rb.i0 + rb.nq - 1 + p_.causal_offset;
+      const int64_t last_visible = rb.i0 + rb.nq - 1 + rb.offset;
       if (last_visible + 1 < kv_end) kv_end = last_visible + 1 < 0 ? 0 : last_visible + 1;
     }
-    const int64_t begin = split * plan_.kv_split_len;
-    const int64_t end = begin + plan_.kv_split_len < kv_end ? begin + plan_.kv_split_len : kv_end;
+    const int64_t begin = split * s.kv_split_len;
+    const int64_t end = begin + s.kv_split_len < kv_end ? begin + s.kv_split_len : kv_end;
     attend(rb, begin, end, w);
-    if (plan_.kv_splits == 1) {
+    if (s.kv_splits == 1) {
       write_out(rb, w.o, w.m, w.l, w.v);
       return;
     }
-    float* slot = partial + task * plan_.partial_floats;
+    float* slot = partial + (s.first_slot + local) * plan_.partial_floats;
     std::memcpy(slot, w.o, sizeof(float) * rb.rows * plan_.dv_pad);
     std::memcpy(slot + plan_.rows_pad * plan_.dv_pad, w.m, sizeof(float) * plan_.rows_pad);
     std::memcpy(slot + plan_.rows_pad * (plan_.dv_pad + 1), w.l, sizeof(float) * plan_.rows_pad);
@@ -256,15 +373,18 @@ class AttentionTask {
 
   // Combines the kv splits of one row block: with M = max_s m_s, the row's sum is
   // Σ_s l_s e^(m_s - M) and its output Σ_s o_s e^(m_s - M), exactly as one pass would.
+  // Row blocks without splits were written by run().
   void merge(int64_t row_block_index, float* workspace, const float* partial) const {
-    const RowBlock rb = row_block(row_block_index);
+    const Sequence& s = plan_.sequence_of_row_block(row_block_index);
+    if (s.kv_splits == 1) return;
+    const RowBlock rb = row_block(s, row_block_index);
     Workspace w(workspace, plan_, p_);
-    const int64_t dv_pad = plan_.dv_pad, rows_pad = plan_.rows_pad;
-    const float* first = partial + row_block_index * plan_.kv_splits * plan_.partial_floats;
+    const int64_t dv_pad = plan_.dv_pad, rows_pad = plan_.rows_pad, splits = s.kv_splits;
+    const float* first = partial + (s.first_slot + (row_block_index - s.first_row_block) * splits) * plan_.partial_floats;
     for (int64_t r = 0; r < rb.rows; ++r) {
       float mx = -INFINITY;
-      for (int64_t s = 0; s < plan_.kv_splits; ++s) {
-        const float ms = first[s * plan_.partial_floats + rows_pad * dv_pad + r];
+      for (int64_t k = 0; k < splits; ++k) {
+        const float ms = first[k * plan_.partial_floats + rows_pad * dv_pad + r];
         mx = ms > mx ? ms : mx;
       }
       float* o = w.o + r * dv_pad;
@@ -273,8 +393,8 @@ class AttentionTask {
       // No split moved the max (no visible key, or only NaN scores, which never win the max):
       // weigh against 0 as the online softmax does, so a NaN sum still reaches l.
       const float m_ref = mx == -INFINITY ? 0.0f : mx;
-      for (int64_t s = 0; s < plan_.kv_splits; ++s) {
-        const float* slot = first + s * plan_.partial_floats;
+      for (int64_t k = 0; k < splits; ++k) {
+        const float* slot = first + k * plan_.partial_floats;
         const float factor = std::exp(slot[rows_pad * dv_pad + r] - m_ref);
         l += slot[rows_pad * (dv_pad + 1) + r] * factor;
         const vfloat f = vbroadcast(factor);
@@ -289,7 +409,7 @@ class AttentionTask {
  private:
   // Runs keys [begin, end) through the tile loop, leaving the rows' state in w.o, w.m, w.l.
   void attend(const RowBlock& rb, int64_t begin, int64_t end, const Workspace& w) const {
-    if (plan_.key_blocks) return attend_rows(rb, begin, end, w);
+    if (rb.mode->key_blocks) return attend_rows(rb, begin, end, w);
     const int64_t ld = plan_.rows_pad;
     const Scores scores{w.st, ld, 1};
     if (plan_.int8) {
@@ -302,33 +422,43 @@ class AttentionTask {
     std::memset(w.o, 0, sizeof(float) * rb.rows * plan_.dv_pad);
     for (int64_t r = 0; r < ld; ++r) w.m[r] = -INFINITY, w.l[r] = 0.0f;
 
-    const E* kbase = static_cast<const E*>(p_.k) + rb.b * p_.k_stride[0] + rb.kvh * p_.k_stride[1];
-    const E* vbase = static_cast<const E*>(p_.v) + rb.b * p_.v_stride[0] + rb.kvh * p_.v_stride[1];
+    const KvRows<EK> krows = kv_rows(p_.k, p_.k_stride, rb), vrows = kv_rows(p_.v, p_.v_stride, rb);
     for (int64_t j0 = begin; j0 < end; j0 += kKvTile) {
       const int64_t bc = end - j0 < kKvTile ? end - j0 : kKvTile;
-      const E* ksrc = kbase + j0 * p_.k_stride[2];
       if (plan_.int8) {  // Sᵀ = K · Qᵀ on int8 codes, dequantised
         qk_int8(rb, j0, bc, w);
         fix_nonfinite_logits(rb, j0, bc, w);
       } else if (plan_.bf16_dot) {  // Sᵀ = K · Qᵀ on bf16 pairs, then the scale
-        qk_bf16(ksrc, bc, w);
-      } else if (plan_.k_in_place) {  // Sᵀ = K · Qᵀ
-        gemm<kWideRows, kWideVecs>(bc, ld, p_.D, reinterpret_cast<const float*>(ksrc), p_.k_stride[2], 1, w.qt, ld,
-                                   w.st, ld, false);
+        qk_bf16(rb, krows, j0, bc, w);
+      } else if (rb.mode->k_in_place) {  // Sᵀ = K · Qᵀ, a gemm per run of rows at one stride
+        krows.for_each_run(j0, bc, [&](const EK* k, int64_t first, int64_t n) {
+          gemm<kWideRows, kWideVecs>(n, ld, p_.D, reinterpret_cast<const float*>(k), krows.stride, 1, w.qt, ld,
+                                     w.st + first * ld, ld, false);
+        });
       } else {
-        pack_rows(ksrc, p_.k_stride[2], p_.k_stride[3], bc, p_.D, p_.D, w.k);
+        pack_rows(krows, j0, bc, p_.k_stride[3], p_.D, p_.D, w.k);
         gemm<kWideRows, kWideVecs>(bc, ld, p_.D, w.k, p_.D, 1, w.qt, ld, w.st, ld, false);
       }
       apply_masks(rb, j0, bc, scores);
       online_softmax_tile(w.st, bc, ld, ld, w.m, w.l, w.alpha);
       rescale_output(rb, w);
       if (p_.dropout_p > 0.0f) apply_dropout(rb, j0, bc, scores);
-      if (plan_.pv_bf16) {
-        pv_bf16(rb, vbase, j0, bc, w);
+      if (rb.mode->pv_bf16) {
+        pv_bf16(rb, vrows, j0, bc, w);
       } else {
-        accumulate_pv(rb, vbase, j0, bc, scores, w);
+        accumulate_pv(rb, vrows, j0, bc, scores, w);
       }
     }
+  }
+
+  // The K (or V) rows of the block's sequence and kv head.
+  KvRows<EK> kv_rows(const void* data, const int64_t* stride, const RowBlock& rb) const {
+    const EK* base = static_cast<const EK*>(data) + rb.kvh * stride[1];
+    if (p_.block_table) {
+      return {base, stride[2], p_.block_table + rb.b * p_.block_table_stride, p_.block_size, stride[0]};
+    }
+    const int64_t first = p_.kv_begin ? p_.kv_begin[rb.b] : 0;
+    return {base + rb.b * stride[0] + first * stride[2], stride[2]};
   }
 
   // Decode: few rows, so scores are row-major (keys along the lanes, no padded rows), in
@@ -345,21 +475,19 @@ class AttentionTask {
     std::memset(w.o, 0, sizeof(float) * rb.rows * plan_.dv_pad);
     for (int64_t r = 0; r < rb.rows; ++r) w.m[r] = -INFINITY, w.l[r] = 0.0f;
 
-    const E* kbase = static_cast<const E*>(p_.k) + rb.b * p_.k_stride[0] + rb.kvh * p_.k_stride[1];
-    const E* vbase = static_cast<const E*>(p_.v) + rb.b * p_.v_stride[0] + rb.kvh * p_.v_stride[1];
+    const KvRows<EK> krows = kv_rows(p_.k, p_.k_stride, rb), vrows = kv_rows(p_.v, p_.v_stride, rb);
     PrefetchChooser chooser;
     for (int64_t j0 = begin; j0 < end; j0 += kDecodeKeys) {
       const int64_t block = (j0 - begin) / kDecodeKeys;
       const bool prefetch = chooser.prefetch(block);
       const int64_t bc = end - j0 < kDecodeKeys ? end - j0 : kDecodeKeys;
       const int64_t width = round_up(bc, kLanes);
-      const E* ksrc = kbase + j0 * p_.k_stride[2];
       // This block's V rows into L2 before its Q·Kᵀ, the next block's K rows before its P·V:
       // each about half a block ahead of use (of the orders tried, the best across memory
       // states: the next block's K and V, two blocks ahead, part of each row, key by key).
-      if (prefetch) prefetch_rows(vbase, j0, p_.v_stride[2], p_.Dv);
+      if (prefetch) prefetch_rows(vrows, j0, end, p_.Dv);
       for (int64_t c = 0; c < bc; c += kLanes) {
-        qk_key_block(rb, ksrc + c * p_.k_stride[2], bc - c < kLanes ? bc - c : kLanes, w.st + c, ld, w);
+        qk_key_block(rb, krows, j0 + c, bc - c < kLanes ? bc - c : kLanes, w.st + c, ld, w);
       }
       for (int64_t r = 0; r < rb.rows; ++r) {  // keys past the block's end
         for (int64_t j = bc; j < width; ++j) w.st[r * ld + j] = -INFINITY;
@@ -368,33 +496,39 @@ class AttentionTask {
       online_softmax_rows(w.st, width, ld, rb.rows, w.m, w.l, w.alpha);
       rescale_output(rb, w);
       if (p_.dropout_p > 0.0f) apply_dropout(rb, j0, bc, scores);
-      if (prefetch) prefetch_rows(ksrc, kDecodeKeys, p_.k_stride[2], p_.D);
-      accumulate_pv(rb, vbase, j0, bc, scores, w);
+      if (prefetch) prefetch_rows(krows, j0 + kDecodeKeys, end, p_.D);
+      accumulate_pv(rb, vrows, j0, bc, scores, w);
       chooser.done(block);
     }
   }
 
-  // Decode: rows first .. first + kDecodeKeys - 1 of `cols` elements from src into L2
-  // (rows past the end are harmless: prefetches never fault).
-  static void prefetch_rows(const E* src, int64_t first, int64_t row_stride, int64_t cols) {
-    for (int64_t j = first; j < first + kDecodeKeys; ++j) {
-      prefetch_bytes(src, j * row_stride * int64_t{sizeof(E)}, cols * int64_t{sizeof(E)}, Cache::l2);
-    }
+  // Decode: rows first .. first + kDecodeKeys - 1 (those before `end`) of `cols` elements
+  // into L2.
+  static void prefetch_rows(const KvRows<EK>& rows, int64_t first, int64_t end, int64_t cols) {
+    const int64_t n = end - first < kDecodeKeys ? end - first : kDecodeKeys;
+    rows.for_each_run(first, n < 0 ? 0 : n, [&](const EK* src, int64_t, int64_t count) {
+      for (int64_t j = 0; j < count; ++j) {
+        prefetch_bytes(src, j * rows.stride * int64_t{sizeof(EK)}, cols * int64_t{sizeof(EK)}, Cache::l2);
+      }
+    });
   }
 
-  // Decode: s[r * lds + j] = K[j] · Q[r] for n <= kLanes keys at ksrc (lanes past n are
-  // left for the caller to mask): in place or packed, fp32 or bf16 pairs.
-  void qk_key_block(const RowBlock& rb, const E* ksrc, int64_t n, float* s, int64_t lds, const Workspace& w) const {
+  // Decode: s[r * lds + j] = K[j0 + j] · Q[r] for n <= kLanes keys (lanes past n are left
+  // for the caller to mask): in place (when the keys lie at one stride) or packed, fp32 or
+  // bf16 pairs.
+  void qk_key_block(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t n, float* s, int64_t lds,
+                    const Workspace& w) const {
+    const bool in_place = rb.mode->k_in_place && n == kLanes && krows.run_end(j0, j0 + n) == j0 + n;
     if (plan_.bf16_dot) {
-      qk_rows_bf16(rb, ksrc, n, s, lds, w);
-    } else if (plan_.k_in_place && n == kLanes) {
-      dot_key_block(plan_.rows_per_vec, rb.rows, plan_.chunks, reinterpret_cast<const float*>(ksrc), p_.k_stride[2],
-                    w.qt, s, lds);
+      qk_rows_bf16(rb, krows, j0, n, in_place, s, lds, w);
+    } else if (in_place) {
+      dot_key_block(rb.mode->rows_per_vec, rb.rows, rb.mode->chunks, reinterpret_cast<const float*>(krows.row(j0)),
+                    krows.stride, w.qt, s, lds);
     } else {  // whole chunks of kLanes zero-padded rows
-      const int64_t ld = plan_.chunked_row;
-      pack_rows(ksrc, p_.k_stride[2], p_.k_stride[3], n, p_.D, ld, w.k);
+      const int64_t ld = rb.mode->chunked_row;
+      pack_rows(krows, j0, n, p_.k_stride[3], p_.D, ld, w.k);
       std::memset(w.k + n * ld, 0, sizeof(float) * (kLanes - n) * ld);
-      dot_key_block(plan_.rows_per_vec, rb.rows, plan_.chunks, w.k, ld, w.qt, s, lds);
+      dot_key_block(rb.mode->rows_per_vec, rb.rows, rb.mode->chunks, w.k, ld, w.qt, s, lds);
     }
   }
 
@@ -407,25 +541,27 @@ class AttentionTask {
 
   // O += P · V for keys j0 .. j0+bc-1, V read in place (bf16 in split order, fp32 of unit
   // stride) or packed.
-  void accumulate_pv(const RowBlock& rb, const E* vbase, int64_t j0, int64_t bc, const Scores& p,
+  void accumulate_pv(const RowBlock& rb, const KvRows<EK>& vrows, int64_t j0, int64_t bc, const Scores& p,
                      const Workspace& w) const {
-    // Decode takes whole-row tiles (V read in address order), the tile loop tall ones.
-    auto gemm_pv = [&](const auto* v, int64_t ldv) {
-      if (plan_.key_blocks) {
-        gemm<kRowRows, kRowVecs>(rb.rows, plan_.dv_pad, bc, p.s, p.row_stride, p.key_stride, v, ldv, w.o,
-                                 plan_.dv_pad, true);
+    // Keys first .. first + n - 1 of the tile. Decode takes whole-row tiles (V read in
+    // address order), the tile loop tall ones.
+    auto gemm_pv = [&](const auto* v, int64_t ldv, int64_t first, int64_t n) {
+      const float* pf = p.s + first * p.key_stride;
+      if (rb.mode->key_blocks) {
+        gemm<kRowRows, kRowVecs>(rb.rows, plan_.dv_pad, n, pf, p.row_stride, p.key_stride, v, ldv, w.o, plan_.dv_pad,
+                                 true);
       } else {
-        gemm<kTallRows, kTallVecs>(rb.rows, plan_.dv_pad, bc, p.s, p.row_stride, p.key_stride, v, ldv, w.o,
+        gemm<kTallRows, kTallVecs>(rb.rows, plan_.dv_pad, n, pf, p.row_stride, p.key_stride, v, ldv, w.o,
                                    plan_.dv_pad, true);
       }
     };
-    if (plan_.v_split_bf16) {
-      gemm_pv(reinterpret_cast<const uint16_t*>(vbase + j0 * p_.v_stride[2]), p_.v_stride[2]);
-    } else if (plan_.v_in_place) {
-      gemm_pv(reinterpret_cast<const float*>(vbase + j0 * p_.v_stride[2]), p_.v_stride[2]);
+    if (rb.mode->v_split_bf16 || plan_.v_in_place) {  // a gemm per run of rows at one stride
+      vrows.for_each_run(j0, bc, [&](const EK* v, int64_t first, int64_t n) {
+        if constexpr (TK == DType::bfloat16 || TK == DType::float32) gemm_pv(v, vrows.stride, first, n);
+      });
     } else {
-      pack_rows(vbase + j0 * p_.v_stride[2], p_.v_stride[2], p_.v_stride[3], bc, p_.Dv, plan_.dv_pad, w.v);
-      gemm_pv(static_cast<const float*>(w.v), plan_.dv_pad);
+      pack_rows(vrows, j0, bc, p_.v_stride[3], p_.Dv, plan_.dv_pad, w.v);
+      gemm_pv(static_cast<const float*>(w.v), plan_.dv_pad, 0, bc);
     }
   }
 
@@ -445,15 +581,21 @@ class AttentionTask {
     transpose_matrix(w.k, lds, plan_.rows_pad, lds, w.qt, plan_.rows_pad);
   }
 
-  // Sᵀ = K · Qᵀ on bf16 pairs (K rows in place, or copied as pairs), then Sᵀ *= scale.
-  void qk_bf16(const E* ksrc, int64_t bc, const Workspace& w) const {
+  // Sᵀ = K · Qᵀ on bf16 pairs (K rows in place, a gemm per run, or copied as pairs), then
+  // Sᵀ *= scale.
+  void qk_bf16(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t bc, const Workspace& w) const {
     const int64_t pairs = (p_.D + 1) / 2, ld = plan_.rows_pad;
-    const uint32_t* keys = reinterpret_cast<const uint32_t*>(ksrc);
-    int64_t ldk = p_.k_stride[2] / 2;
-    if (!plan_.k_in_place) keys = pack_key_pairs(ksrc, bc, pairs, w), ldk = pairs;
-    gemm_bf16<kWideRows, kWideVecs>(bc, ld, pairs, keys, ldk, 1, reinterpret_cast<const uint32_t*>(w.qt), ld,
-                                    w.st, ld, false);
-    const vfloat scale = vbroadcast(p_.scale);
+    const uint32_t* qt = reinterpret_cast<const uint32_t*>(w.qt);
+    if (rb.mode->k_in_place) {
+      krows.for_each_run(j0, bc, [&](const EK* k, int64_t first, int64_t n) {
+        gemm_bf16<kWideRows, kWideVecs>(n, ld, pairs, reinterpret_cast<const uint32_t*>(k), krows.stride / 2, 1, qt,
+                                        ld, w.st + first * ld, ld, false);
+      });
+    } else {
+      const uint32_t* keys = pack_key_pairs(krows, j0, bc, pairs, w);
+      gemm_bf16<kWideRows, kWideVecs>(bc, ld, pairs, keys, pairs, 1, qt, ld, w.st, ld, false);
+    }
+    const vfloat scale = vbroadcast(rb.scale);
     for (int64_t i = 0; i < bc * ld; i += kLanes) vstore(w.st + i, vload(w.st + i) * scale);
   }
 
@@ -464,23 +606,26 @@ class AttentionTask {
     for (int64_t r = 0; r < rb.rows; ++r) {
       pack_pairs(reinterpret_cast<const uint16_t*>(q_row(rb, r)), p_.q_stride[3], rows + r * pairs);  // E is bf16 here
     }
-    group_rows(plan_.rows_per_vec, rb.rows, pairs, rows, pairs, plan_.chunks, reinterpret_cast<uint32_t*>(w.qt));
+    group_rows(rb.mode->rows_per_vec, rb.rows, pairs, rows, pairs, rb.mode->chunks, reinterpret_cast<uint32_t*>(w.qt));
   }
 
-  // Decode: s[r * lds + j] = K[j] · Q[r] on bf16 pairs for n <= kLanes keys, read in
+  // Decode: s[r * lds + j] = K[j0 + j] · Q[r] on bf16 pairs for n <= kLanes keys, read in
   // place when whole pairs of each row can be loaded as they are, then times the scale.
-  void qk_rows_bf16(const RowBlock& rb, const E* ksrc, int64_t n, float* s, int64_t lds, const Workspace& w) const {
-    const uint32_t* keys = reinterpret_cast<const uint32_t*>(ksrc);
-    int64_t ldk = p_.k_stride[2] / 2;
-    if (!(plan_.k_in_place && n == kLanes)) {  // whole chunks of kLanes zero-padded rows
-      const int64_t ld = plan_.chunked_row;
-      uint32_t* kp = pack_key_pairs(ksrc, n, ld, w);
+  void qk_rows_bf16(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t n, bool in_place, float* s,
+                    int64_t lds, const Workspace& w) const {
+    const uint32_t* keys;
+    int64_t ldk;
+    if (in_place) {
+      keys = reinterpret_cast<const uint32_t*>(krows.row(j0)), ldk = krows.stride / 2;
+    } else {  // whole chunks of kLanes zero-padded rows
+      const int64_t ld = rb.mode->chunked_row;
+      uint32_t* kp = pack_key_pairs(krows, j0, n, ld, w);
       std::memset(kp + n * ld, 0, sizeof(uint32_t) * (kLanes - n) * ld);
       keys = kp, ldk = ld;
     }
-    dot_key_block_bf16(plan_.rows_per_vec, rb.rows, plan_.chunks, keys, ldk, reinterpret_cast<const uint32_t*>(w.qt),
+    dot_key_block_bf16(rb.mode->rows_per_vec, rb.rows, rb.mode->chunks, keys, ldk, reinterpret_cast<const uint32_t*>(w.qt),
                        s, lds);
-    const vfloat scale = vbroadcast(p_.scale);
+    const vfloat scale = vbroadcast(rb.scale);
     for (int64_t r = 0; r < rb.rows; ++r) vstore(s + r * lds, vload(s + r * lds) * scale);
   }
 
@@ -494,23 +639,26 @@ class AttentionTask {
     for (int64_t d = 0; d < p_.D; d += 2) dst[d / 2] = pair(src[d * stride], d + 1 < p_.D ? src[(d + 1) * stride] : 0);
   }
 
-  // n K rows as bf16 pairs into w.k, rows of ld pairs (zero past the row's own pairs).
-  uint32_t* pack_key_pairs(const E* ksrc, int64_t n, int64_t ld, const Workspace& w) const {
+  // K rows j0 .. j0+n-1 as bf16 pairs into w.k, rows of ld pairs (zero past the row's own pairs).
+  uint32_t* pack_key_pairs(const KvRows<EK>& krows, int64_t j0, int64_t n, int64_t ld, const Workspace& w) const {
     uint32_t* kp = reinterpret_cast<uint32_t*>(w.k);
-    const uint16_t* k16 = reinterpret_cast<const uint16_t*>(ksrc);  // E is bf16 on this path
     const int64_t pairs = (p_.D + 1) / 2;
-    for (int64_t j = 0; j < n; ++j) {
-      pack_pairs(k16 + j * p_.k_stride[2], p_.k_stride[3], kp + j * ld);
-      std::memset(kp + j * ld + pairs, 0, sizeof(uint32_t) * (ld - pairs));
-    }
+    krows.for_each_run(j0, n, [&](const EK* k, int64_t first, int64_t count) {
+      const uint16_t* k16 = reinterpret_cast<const uint16_t*>(k);  // EK is bf16 on this path
+      for (int64_t j = first; j < first + count; ++j) {
+        pack_pairs(k16 + (j - first) * krows.stride, p_.k_stride[3], kp + j * ld);
+        std::memset(kp + j * ld + pairs, 0, sizeof(uint32_t) * (ld - pairs));
+      }
+    });
     return kp;
   }
 
 #else
   void pack_qt_pairs(const RowBlock&, const Workspace&) const {}
-  void qk_bf16(const E*, int64_t, const Workspace&) const {}
+  void qk_bf16(const RowBlock&, const KvRows<EK>&, int64_t, int64_t, const Workspace&) const {}
   void pack_q_row_pairs(const RowBlock&, const Workspace&) const {}
-  void qk_rows_bf16(const RowBlock&, const E*, int64_t, float*, int64_t, const Workspace&) const {}
+  void qk_rows_bf16(const RowBlock&, const KvRows<EK>&, int64_t, int64_t, bool, float*, int64_t,
+                    const Workspace&) const {}
 #endif
 
   // Sage int8: Q rows quantised to int8 with one scale per row (the softmax scale folded
@@ -640,18 +788,27 @@ class AttentionTask {
   // O += P · V with P rounded to bf16 and both packed as pairs along the keys (vdpbf16ps):
   // Pᵀ is rewritten in place (pair row jp of keys 2jp, 2jp+1). V pairs come from sage's
   // prepared V, or are interleaved here from this tile's bf16 V rows.
-  void pv_bf16(const RowBlock& rb, const E* vbase, int64_t j0, int64_t bc, const Workspace& w) const {
+  void pv_bf16(const RowBlock& rb, const KvRows<EK>& vrows, int64_t j0, int64_t bc, const Workspace& w) const {
     const int64_t ld = plan_.rows_pad, dv_pad = plan_.dv_pad, pairs = (bc + 1) / 2;
     uint32_t* pp = reinterpret_cast<uint32_t*>(w.st);
     pair_rows_bf16(w.st, bc, ld, pp);
     uint32_t* vp = reinterpret_cast<uint32_t*>(w.v);
-    if (!kq_) {  // dense bf16: a lone last key pairs with a zero row (its P is zero too)
-      const uint16_t* v = reinterpret_cast<const uint16_t*>(vbase + j0 * p_.v_stride[2]);  // E is bf16 here
-      for (int64_t jp = 0; jp < pairs; ++jp) {
-        const uint16_t* a = v + 2 * jp * p_.v_stride[2];
-        interleave_bf16_rows(a, 2 * jp + 1 < bc ? a + p_.v_stride[2] : nullptr, p_.v_stride[3], p_.Dv, dv_pad,
-                             vp + jp * dv_pad);
-      }
+    if (!kq_) {  // bf16 V (EK is bf16 here): a lone last key pairs with a zero row (its P is zero too)
+      vrows.for_each_run(j0, bc, [&](const EK* v, int64_t first, int64_t n) {
+        const uint16_t* a = reinterpret_cast<const uint16_t*>(v);
+        for (int64_t j = first; j < first + n; ++j, a += vrows.stride) {
+          // The rows of a pair may lie in different pages: a pair's second row that starts
+          // a run is added to the pair its first row left half empty.
+          uint32_t* dst = vp + j / 2 * dv_pad;  // j counts from the tile's first key
+          if (j % 2 == 0) {
+            const bool second_here = j + 1 < first + n;
+            interleave_bf16_rows(a, second_here ? a + vrows.stride : nullptr, p_.v_stride[3], p_.Dv, dv_pad, dst);
+            if (second_here) ++j, a += vrows.stride;
+          } else {
+            for (int64_t d = 0; d < p_.Dv; ++d) dst[d] |= uint32_t{a[d * p_.v_stride[3]]} << 16;
+          }
+        }
+      });
       gemm_bf16<kTallRows, kTallVecs>(rb.rows, dv_pad, pairs, pp, 1, ld, vp, dv_pad, w.o, dv_pad, true);
       return;
     }
@@ -665,13 +822,13 @@ class AttentionTask {
     }
   }
 #else
-  void pv_bf16(const RowBlock&, const E*, int64_t, int64_t, const Workspace&) const {}
+  void pv_bf16(const RowBlock&, const KvRows<EK>&, int64_t, int64_t, const Workspace&) const {}
 #endif
 
   // Decode: Q rows pre-multiplied by the softmax scale, grouped for dot_key_block into w.qt (via w.k).
   void pack_q_rows(const RowBlock& rb, const Workspace& w) const {
-    for (int64_t r = 0; r < rb.rows; ++r) load_row<T>(q_row(rb, r), p_.q_stride[3], p_.D, p_.scale, w.k + r * p_.D);
-    group_rows(plan_.rows_per_vec, rb.rows, p_.D, w.k, p_.D, plan_.chunks, w.qt);
+    for (int64_t r = 0; r < rb.rows; ++r) load_row<T>(q_row(rb, r), p_.q_stride[3], p_.D, rb.scale, w.k + r * p_.D);
+    group_rows(rb.mode->rows_per_vec, rb.rows, p_.D, w.k, p_.D, rb.mode->chunks, w.qt);
   }
 
   // Qᵀ [D][rows_pad], pre-multiplied by the softmax scale; padding rows are zero. Rows are
@@ -679,29 +836,34 @@ class AttentionTask {
   void pack_qt(const RowBlock& rb, const Workspace& w) const {
     const int64_t lds = plan_.d_pad;
     std::memset(w.k, 0, sizeof(float) * plan_.rows_pad * lds);
-    for (int64_t r = 0; r < rb.rows; ++r) load_row<T>(q_row(rb, r), p_.q_stride[3], p_.D, p_.scale, w.k + r * lds);
+    for (int64_t r = 0; r < rb.rows; ++r) load_row<T>(q_row(rb, r), p_.q_stride[3], p_.D, rb.scale, w.k + r * lds);
     transpose_matrix(w.k, lds, plan_.rows_pad, lds, w.qt, plan_.rows_pad);
   }
 
   // n rows of `cols` elements converted to fp32 [n][ld], zero-padded to ld columns.
-  static void pack_rows(const E* src, int64_t row_stride, int64_t col_stride, int64_t n, int64_t cols,
-                        int64_t ld, float* dst) {
-    for (int64_t j = 0; j < n; ++j) {
-      prefetch_bytes(src, (j + kPrefetchRows) * row_stride * int64_t{sizeof(E)}, cols * int64_t{sizeof(E)});
-      load_row<T>(src + j * row_stride, col_stride, cols, 1.0f, dst + j * ld);
-      for (int64_t c = cols; c < ld; ++c) dst[j * ld + c] = 0.0f;
-    }
+  // K or V rows j0 .. j0+n-1 of `cols` elements converted to fp32 [n][ld], zero-padded to
+  // ld columns.
+  static void pack_rows(const KvRows<EK>& rows, int64_t j0, int64_t n, int64_t col_stride, int64_t cols, int64_t ld,
+                        float* dst) {
+    rows.for_each_run(j0, n, [&](const EK* src, int64_t first, int64_t count) {
+      for (int64_t j = 0; j < count; ++j) {
+        prefetch_bytes(src, (j + kPrefetchRows) * rows.stride * int64_t{sizeof(EK)}, cols * int64_t{sizeof(EK)});
+        float* row = dst + (first + j) * ld;
+        load_row<TK>(src + j * rows.stride, col_stride, cols, 1.0f, row);
+        for (int64_t c = cols; c < ld; ++c) row[c] = 0.0f;
+      }
+    });
   }
 
   // The causal limit and the user mask on the scores, as -inf or an additive bias.
   void apply_masks(const RowBlock& rb, int64_t j0, int64_t bc, const Scores& st) const {
-    const bool causal_cut = p_.causal && j0 + bc - 1 > rb.i0 + p_.causal_offset;
+    const bool causal_cut = p_.causal && j0 + bc - 1 > rb.i0 + rb.offset;
     if (!causal_cut && !p_.mask) return;
     for (int64_t r = 0; r < rb.rows; ++r) {
       const int64_t h = rb.h0 + r / rb.nq, i = rb.i0 + r % rb.nq;
       int64_t visible = bc;  // keys j0 + [0, visible) pass the causal limit
       if (causal_cut) {
-        const int64_t limit = i + p_.causal_offset - j0 + 1;
+        const int64_t limit = i + rb.offset - j0 + 1;
         visible = limit < 0 ? 0 : (limit < bc ? limit : bc);
       }
       for (int64_t jj = visible; jj < bc; ++jj) st.at(r, jj) = -INFINITY;
@@ -731,23 +893,24 @@ class AttentionTask {
     }
   }
 
-  // out = o / l in the output dtype, and lse = m + log(l) (-inf for rows that saw no key).
-  // scratch holds Dv floats.
+  // out = o / l (times the cache's v_scale) in the output dtype, and lse = m + log(l) (-inf
+  // for rows that saw no key). scratch holds Dv floats.
   void write_out(const RowBlock& rb, const float* o_acc, const float* m, const float* ls, float* scratch) const {
     E* out = static_cast<E*>(p_.out);
     for (int64_t r = 0; r < rb.rows; ++r) {
       const int64_t h = rb.h0 + r / rb.nq, i = rb.i0 + r % rb.nq;
       const float l = ls[r];
-      const float inv = l > 0.0f ? 1.0f / l : (l == 0.0f ? 0.0f : l);  // l is NaN or >= 1
+      const float inv = (l > 0.0f ? 1.0f / l : (l == 0.0f ? 0.0f : l)) * rb.v_scale;  // l is NaN or >= 1
       const float* o = o_acc + r * plan_.dv_pad;
-      E* dst = out + rb.b * p_.out_stride[0] + h * p_.out_stride[1] + i * p_.out_stride[2];
-      if (plan_.v_split_bf16) {  // back to column order
+      const int64_t row = rb.row0 + i;  // packed row (ragged batches), else the position
+      E* dst = out + rb.b * p_.out_stride[0] + h * p_.out_stride[1] + row * p_.out_stride[2];
+      if (rb.mode->v_split_bf16) {  // back to column order
         unsplit_bf16_row(o, p_.Dv, scratch);
         o = scratch;
       }
       store_row<T>(o, inv, p_.Dv, dst, p_.out_stride[3]);
       if (p_.lse) {
-        p_.lse[rb.b * p_.lse_stride[0] + h * p_.lse_stride[1] + i * p_.lse_stride[2]] =
+        p_.lse[rb.b * p_.lse_stride[0] + h * p_.lse_stride[1] + row * p_.lse_stride[2]] =
             l == 0.0f ? -INFINITY : m[r] + std::log(l) + (kq_ ? lse_shift(rb, h, i) : 0.0f);
       }
     }
@@ -758,18 +921,18 @@ class AttentionTask {
   const QuantizedKeys* kq_;  // sage int8 mode only
 };
 
-template <DType T>
+template <DType T, DType TK = T>
 void run_attention(const AttentionParams& p, const QuantizedKeys* kq = nullptr) {
   const int threads = detail::num_threads();
   const Plan plan(p, kq != nullptr);
   AlignedBuffer<float> workspace(plan.workspace_floats * threads);
-  AlignedBuffer<float> partial(plan.partial_floats * plan.tasks);
-  const AttentionTask<T> task(p, plan, kq);
+  AlignedBuffer<float> partial(plan.partial_floats * plan.slots);
+  const AttentionTask<T, TK> task(p, plan, kq);
   auto attend = [&](int64_t t, int thread) {
     task.run(t, workspace.data + plan.workspace_floats * thread, partial.data);
   };
   detail::parallel_for(plan.tasks, threads, attend);
-  if (plan.kv_splits > 1) {
+  if (plan.slots > 0) {
     auto merge = [&](int64_t rb, int thread) {
       task.merge(rb, workspace.data + plan.workspace_floats * thread, partial.data);
     };
@@ -777,13 +940,24 @@ void run_attention(const AttentionParams& p, const QuantizedKeys* kq = nullptr) 
   }
 }
 
+// Queries of dtype T over K and V of T, or of a float8 paged cache.
+template <DType T>
+void run_attention_kv(const AttentionParams& p) {
+  switch (p.kv_dtype) {
+    case DType::float8_e4m3fn: return run_attention<T, DType::float8_e4m3fn>(p);
+    case DType::float8_e5m2: return run_attention<T, DType::float8_e5m2>(p);
+    default: return run_attention<T>(p);
+  }
+}
+
 }  // namespace
 
+// Dense, varlen and paged attention: the params say where each sequence's rows lie.
 void attention_fwd(const AttentionParams& p) {
   switch (p.dtype) {
-    case DType::float16: return run_attention<DType::float16>(p);
-    case DType::bfloat16: return run_attention<DType::bfloat16>(p);
-    default: return run_attention<DType::float32>(p);
+    case DType::float16: return run_attention_kv<DType::float16>(p);
+    case DType::bfloat16: return run_attention_kv<DType::bfloat16>(p);
+    default: return run_attention_kv<DType::float32>(p);
   }
 }
 

@@ -8,6 +8,7 @@
 
 namespace attnkit::cpu::ATTNKIT_ISA {
 
-const KernelTable kernel_table = {ATTNKIT_STR(ATTNKIT_ISA), &attention_fwd, &sparse_mla_fwd, &sage_int8_fwd};
+const KernelTable kernel_table = {ATTNKIT_STR(ATTNKIT_ISA), &attention_fwd, &sparse_mla_fwd, &sage_int8_fwd,
+                                   &merge_states};
 
 }  // namespace attnkit::cpu::ATTNKIT_ISA

@@ -8,6 +8,7 @@
 namespace attnkit {
 struct AttentionParams;
 struct SparseMlaParams;
+struct MergeStatesParams;
 }
 
 namespace attnkit::cpu {
@@ -17,6 +18,7 @@ struct KernelTable {
   void (*attention_fwd)(const AttentionParams& params);
   void (*sparse_mla_fwd)(const SparseMlaParams& params);
   void (*sage_int8_fwd)(const AttentionParams& params);
+  void (*merge_states)(const MergeStatesParams& params);
 };
 
 // Loops the benchmark uses to measure the machine (src/cpu/machine_probe.cpp).

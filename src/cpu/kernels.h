@@ -9,5 +9,6 @@ namespace attnkit::cpu::ATTNKIT_ISA {
 void attention_fwd(const AttentionParams& params);
 void sparse_mla_fwd(const SparseMlaParams& params);
 void sage_int8_fwd(const AttentionParams& params);
+void merge_states(const MergeStatesParams& params);
 
 }  // namespace attnkit::cpu::ATTNKIT_ISA

@@ -147,6 +147,7 @@ AttentionParams detail::attention_params(const AttentionArgs& a) {
 
   // Everything is valid: fill the params block.
   p.dtype = a.q.dtype;
+  p.kv_dtype = a.q.dtype;
   p.q = a.q.data;
   p.k = a.k.data;
   p.v = a.v.data;

@@ -28,6 +28,25 @@ struct AttentionParams {
   float scale;                  // softmax scale applied to q·k
   float dropout_p;              // 0 disables dropout
   uint64_t seed = 0;            // dropout stream key
+
+  // Ragged batches (varlen, paged). Dense attention leaves them null: every sequence then
+  // has Sq queries and Skv keys at batch strides q_stride[0], k_stride[0], ...
+  const int32_t* q_begin = nullptr;   // [B+1]: sequence b's queries are rows q_begin[b] ..
+                                      // q_begin[b+1]-1 (q_stride[2] apart; q, out and lse
+                                      // have batch stride 0); Sq is then the longest
+  const int32_t* kv_begin = nullptr;  // [B+1], varlen: sequence b's keys are rows kv_begin[b] ..
+  const int32_t* kv_len = nullptr;    // [B], paged: sequence b's key count
+  const int32_t* block_table = nullptr;  // paged: [B][block_table_stride] block ids; key j of
+                                         // sequence b lies in block block_table[b][j / block_size]
+                                         // at k + block * k_stride[0] + (j % block_size) * k_stride[2]
+  int64_t block_table_stride = 0, block_size = 0;
+  bool causal_bottom_right = false;   // ragged causal: offset Skv_b - Sq_b per sequence
+  DType kv_dtype;                     // of k and v: q's dtype, or float8 for paged caches
+  // Paged caches: dequantisation scales, kv head h's at k_scale[h * k_scale_stride] (stride 0:
+  // one per tensor); null means 1.
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
+  int64_t k_scale_stride = 0, v_scale_stride = 0;
 };
 
 namespace detail {

@@ -324,7 +324,7 @@ TEST(DTypeNames, RoundTripAndSizes) {
       {DType::bfloat16, "bfloat16", 2},      {DType::float8_e4m3fn, "float8_e4m3fn", 1},
       {DType::float8_e5m2, "float8_e5m2", 1}, {DType::int8, "int8", 1},
       {DType::uint8, "uint8", 1},            {DType::int32, "int32", 4},
-      {DType::boolean, "boolean", 1},
+      {DType::boolean, "boolean", 1},      {DType::int64, "int64", 8},
   };
   for (const Row& r : rows) {
     EXPECT_STREQ(dtype_name(r.dtype), r.name);
@@ -342,7 +342,7 @@ TEST(DTypeNames, UnknownNameThrows) {
       const std::string msg = e.what();
       EXPECT_NE(msg.find(std::string("unknown dtype \"") + bad + "\""), std::string::npos) << msg;
       for (const char* name : {"float32", "float16", "bfloat16", "float8_e4m3fn",
-                               "float8_e5m2", "int8", "uint8", "int32", "boolean"}) {
+                               "float8_e5m2", "int8", "uint8", "int32", "boolean", "int64"}) {
         EXPECT_NE(msg.find(name), std::string::npos) << msg;
       }
     }
@@ -360,7 +360,7 @@ TEST(DTypeNames, InvalidEnumThrows) {
 TEST(Cast, IntegerDestinationThrowsNamingDType) {
   float src[2] = {1.0f, 2.0f};
   int32_t dst[2] = {};
-  for (DType d : {DType::int8, DType::uint8, DType::int32, DType::boolean}) {
+  for (DType d : {DType::int8, DType::uint8, DType::int32, DType::boolean, DType::int64}) {
     try {
       cast(src, DType::float32, dst, d, 2);
       FAIL() << "no error for " << dtype_name(d);

@@ -193,7 +193,7 @@ def test_explicit_choice(name, caplog):
 def test_automatic_choice_logs_reasons(caplog):
     caplog.set_level(logging.INFO, logger="attnkit")
     b = backends.select(head_size=64, num_heads=8, num_kv_heads=2, dtype="float16", causal=True,
-                        dropout_p=0.1)
+                        dropout_p=0.1, allow_lossy=True)
     assert b is SDPABackend
     recs = [r for r in caplog.records if r.name == "attnkit" and r.levelno == logging.INFO]
     assert len(recs) == 1
@@ -202,7 +202,8 @@ def test_automatic_choice_logs_reasons(caplog):
     assert "SageAttentionBackend refused" in msg and "no dropout" in msg
 
     caplog.clear()
-    b = backends.select(head_size=64, num_heads=8, num_kv_heads=8, dtype="bfloat16", causal=False)
+    b = backends.select(head_size=64, num_heads=8, num_kv_heads=8, dtype="bfloat16", causal=False,
+                        allow_lossy=True)
     msg = caplog.records[-1].getMessage()
     if SAGE_OK:
         assert b is SageAttentionBackend and "chose SageAttentionBackend" in msg
@@ -211,14 +212,43 @@ def test_automatic_choice_logs_reasons(caplog):
         assert "not available" in msg
 
 
-def test_automatic_choice_none_validates():
+def test_automatic_choice_is_exact_by_default(caplog):
+    """Without allow_lossy=True, select() never picks a quantized backend on its own, and
+    its log says why each was skipped."""
+    caplog.set_level(logging.INFO, logger="attnkit")
+    for dtype in ("bfloat16", "float16", "float32"):
+        for heads, kv in ((8, 8), (8, 2)):
+            b = backends.select(head_size=128, num_heads=heads, num_kv_heads=kv, dtype=dtype,
+                                causal=False)
+            assert b is SDPABackend and not b.capabilities.lossy
+    msg = caplog.records[-1].getMessage()
+    assert "SageAttentionBackend refused: [lossy (quantized): pass allow_lossy=True" in msg
+    with pytest.raises(ValueError, match="allow_lossy must be True or False, got 'yes'"):
+        backends.select(head_size=64, num_heads=8, num_kv_heads=8, dtype="bfloat16", causal=False,
+                        allow_lossy="yes")
+    assert [b.capabilities.lossy for b in backends.BACKENDS] == [True, False, True]
+
+
+def test_impl_refuses_a_dtype_it_was_not_built_for():
+    b = backends.select(head_size=16, num_heads=2, num_kv_heads=2, dtype="bfloat16", causal=False)
+    impl = b.get_impl_cls()(num_heads=2, head_size=16, causal=False, softmax_scale=None,
+                            dtype="bfloat16")
+    x = np.ones((1, 3, 2, 16), np.float32)
+    with pytest.raises(ValueError, match="was built for dtype bfloat16, the tensors are float32"):
+        impl.forward(x, x, x)
+    free = b.get_impl_cls()(num_heads=2, head_size=16, causal=False, softmax_scale=None)
+    assert free.forward(x, x, x).dtype == np.float32  # no dtype given: any the backend serves
+
+
+@pytest.mark.parametrize("allow_lossy", [False, True])
+def test_automatic_choice_none_validates(allow_lossy):
     with pytest.raises(ValueError) as e:
         backends.select(head_size=1000, num_heads=12, num_kv_heads=8, dtype="float16",
-                        causal=False)
+                        causal=False, allow_lossy=allow_lossy)
     msg = str(e.value)
     for name in ("SageAttentionBackend", "SDPABackend", "SageAttention3Backend"):
         assert name in msg
-    assert msg.count(SEED_MSG) == 3
+    assert msg.count(SEED_MSG) == (3 if allow_lossy else 1)
 
 
 # ----------------------------------------------------------------------------- impls

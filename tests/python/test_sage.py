@@ -140,3 +140,23 @@ def test_errors(rng):
         attnkit.sage_attention(q[..., :0], k[..., :0], v)
     out = attnkit.sage_attention(q, k, v)  # still works after errors
     assert np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_parsing_errors(kind):
+    """Default dtypes name what the op takes; scale forms; flags are bools (ValueError)."""
+    q = np.ones((1, 2, 8, 16), np.float64)
+    if kind == "torch":
+        q = torch.from_numpy(q)
+    with pytest.raises(ValueError, match=r"^q must be float32, float16 or bfloat16, got (torch\.)?float64$"):
+        attnkit.sage_attention(q, q, q)
+    q32 = q.astype(np.float32) if kind == "numpy" else q.float()
+    with pytest.raises(ValueError, match="^scale must be a float, got "):
+        attnkit.sage_attention(q32, q32, q32, scale=10**400)
+    with pytest.raises(ValueError, match="^return_lse must be True or False, got 'yes'$"):
+        attnkit.sage_attention(q32, q32, q32, return_lse="yes")
+    with pytest.raises(ValueError, match='^causal must be False, True, "top_left" or "bottom_right", got 1$'):
+        attnkit.sage_attention(q32, q32, q32, causal=1)
+    a = attnkit.sage_attention(q32, q32, q32, scale=np.float32(0.5))
+    b = attnkit.sage_attention(q32, q32, q32, scale=0.5)
+    assert (a == b).all()

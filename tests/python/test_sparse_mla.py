@@ -968,3 +968,43 @@ def test_torch_opcheck(rng, strict_op):
     args = (q, kv, tt(c.indices), c.sm_scale, 512, tt(c.q_scale), tt(c.kv_scale),
             tt(c.attn_sink), tt(c.topk_length), out, ml, lse)
     torch.library.opcheck(op.default, args, test_utils=utils)
+
+
+# --- Python-side parsing: dtype messages, scale forms ----------------------------------------
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_default_dtypes_name_what_the_op_takes(rng, kind):
+    """numpy's and torch's default int (int64) and float (float64) get this op's dtypes."""
+    c = _small(rng)
+    conv = (lambda x: x) if kind == "numpy" else (
+        lambda x: torch.from_numpy(x.view(np.uint16)).view(torch.bfloat16) if x.dtype == ml_dtypes.bfloat16
+        else torch.from_numpy(x))
+    q, kv, idx = conv(c.q), conv(c.kv), conv(c.indices)
+    with pytest.raises(ValueError, match=r"^indices must be int32, got (torch\.)?int64$"):
+        general()(q, kv, idx.astype(np.int64) if kind == "numpy" else idx.long(), 0.1, D_V)
+    q64 = c.q.astype(np.float64)
+    with pytest.raises(ValueError, match=r"^q must be bfloat16 or float8_e4m3fn, got (torch\.)?float64$"):
+        general()(q64 if kind == "numpy" else torch.from_numpy(q64), kv, idx, 0.1, D_V)
+
+
+@pytest.mark.parametrize("make", [np.float32, np.float64, np.array, torch.tensor])
+def test_sm_scale_numpy_and_tensor_scalars(rng, make):
+    c = _small(rng)
+    got = general()(c.q, c.kv, c.indices, make(0.125), D_V)
+    want = general()(c.q, c.kv, c.indices, 0.125, D_V)
+    for a, b in zip(got, want):
+        assert_bits_equal(a, b)
+
+
+@pytest.mark.parametrize("value", [10**400, "0.1", True, np.zeros(2)])
+def test_sm_scale_refused_as_value_error(rng, value):
+    c = _small(rng)
+    with pytest.raises(ValueError, match="^sm_scale must be a float"):
+        general()(c.q, c.kv, c.indices, value, D_V)
+
+
+def test_mixed_kinds_say_tensor(rng):
+    c = _small(rng)
+    q = torch.from_numpy(c.q.view(np.uint16)).view(torch.bfloat16)
+    with pytest.raises(ValueError, match="^kv must be a torch tensor like q, got ndarray$"):
+        general()(q, c.kv, c.indices, 0.1, D_V)

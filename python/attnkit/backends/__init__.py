@@ -9,7 +9,8 @@
 Usage, as in SGLang::
 
     backend = attnkit.backends.select(head_size=128, num_heads=24, num_kv_heads=24,
-                                      dtype="bfloat16", causal=False)
+                                      dtype="bfloat16", causal=False)  # exact: SDPABackend
+    # allow_lossy=True lets select() pick the quantized SageAttentionBackend on its own
     impl = backend.get_impl_cls()(num_heads=24, head_size=128, causal=False,
                                   softmax_scale=None, num_kv_heads=24, dropout_p=0.0)
     out = impl.forward(q, k, v)  # [batch, seq, heads, head_dim], numpy or CPU torch

@@ -104,7 +104,9 @@ class Capabilities:
     summary). head_sizes None means any size in head_size_range. gqa: serves
     num_heads != num_kv_heads (num_heads a multiple of num_kv_heads). causal: the accepted
     values of the causal flag. dropout: honours dropout_p > 0. deterministic: the same
-    inputs (and dropout seed) give bit-identical outputs."""
+    inputs (and dropout seed) give bit-identical outputs. lossy: the results differ from
+    exact attention by more than rounding (quantized); select() only picks such a backend
+    on its own when the caller passes allow_lossy=True."""
 
     head_sizes: Optional[Tuple[int, ...]]
     head_size_range: Tuple[int, int]
@@ -113,6 +115,7 @@ class Capabilities:
     causal: Tuple[object, ...]
     dropout: bool
     deterministic: bool
+    lossy: bool = False
     notes: str = ""
 
 
@@ -275,6 +278,10 @@ class AttentionImpl:
                 f"{want[1]}, head_size={want[2]}; the tensors have q_heads={got[0]}, "
                 f"kv_heads={got[1]}, head_dim={got[2]}")
         reasons = self.backend.validate(self.config, dtype=query.dtype)
+        built_for, got_dtype = self.config.dtype_name, dtype_name(query.dtype)
+        if built_for is not None and got_dtype != built_for:
+            reasons.append(f"{type(self).__name__} was built for dtype {built_for}, the tensors are "
+                           f"{got_dtype}")
         if reasons:
             raise ValueError(self.backend.refusal_message(
                 dataclasses.replace(self.config, dtype=query.dtype), reasons))

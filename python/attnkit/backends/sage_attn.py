@@ -53,7 +53,7 @@ class SageAttentionBackend(AttentionBackend):
     aliases = ()
     capabilities = Capabilities(
         head_sizes=None, head_size_range=(1, 512), dtypes=DTYPES, gqa=True,
-        causal=(False, True, "top_left", "bottom_right"), dropout=False, deterministic=True,
+        causal=(False, True, "top_left", "bottom_right"), dropout=False, deterministic=True, lossy=True,
         notes="quantized (int8 Q/K, reduced-precision P·V); accuracy contract: cosine "
               "similarity >= 0.999 against exact attention")
     impl_cls = SageAttentionImpl

@@ -53,7 +53,7 @@ class SageAttention3Backend(AttentionBackend):
     aliases = ("sage_attn_3",)
     capabilities = Capabilities(
         head_sizes=(64, 128, 256), head_size_range=(64, 256), dtypes=DTYPES, gqa=True,
-        causal=(False, True), dropout=False, deterministic=True,
+        causal=(False, True), dropout=False, deterministic=True, lossy=True,
         notes="MHA: fp4 kernel (SageAttention3 numerics, no dropout); GQA/MQA: exact SDPA "
               "fallback, which honours dropout_p; warns once per process")
     impl_cls = SageAttention3Impl

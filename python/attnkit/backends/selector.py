@@ -1,4 +1,5 @@
-"""select(): an explicit backend that must serve the configuration, or the best one that does."""
+"""select(): an explicit backend that must serve the configuration, or the best one that does
+(exact unless the caller opts into lossy, quantized backends)."""
 
 import logging
 
@@ -25,18 +26,26 @@ def _lookup(name):
     raise ValueError(f"unknown attention backend {name!r}; known: {known}")
 
 
-def select(name=None, *, head_size, num_heads, num_kv_heads, dtype, causal, dropout_p=0.0):
+def select(name=None, *, head_size, num_heads, num_kv_heads, dtype, causal, dropout_p=0.0,
+           allow_lossy=False):
     """The backend class for a configuration.
 
     name ("sdpa", "sage_attn", "sage_attn3", or a class name / class): that backend, or a
     ValueError listing every reason it cannot serve the configuration (it is never swapped
-    for another). name=None: the first backend in BACKENDS (SageAttentionBackend,
-    SDPABackend, SageAttention3Backend) that validates; the choice and the reasons each
-    earlier backend was refused are logged at INFO on the "attnkit" logger. If none
-    validates, ValueError with every backend's reasons."""
+    for another). name=None: the first backend in BACKENDS that validates, among the exact
+    ones only (SDPABackend) unless allow_lossy=True, which admits the quantized
+    SageAttentionBackend (first: fastest) and SageAttention3Backend (last). The choice and
+    the reasons each earlier backend was refused are logged at INFO on the "attnkit"
+    logger. If none validates, ValueError with every candidate's reasons.
+
+    The choice is for `dtype`: build the impl with the same dtype (``dtype=`` among its
+    extra args) and its forward refuses tensors of any other dtype, which the chosen backend
+    may not serve as well (or at all)."""
     config = AttentionConfig(head_size=head_size, num_heads=num_heads,
                              num_kv_heads=num_kv_heads, dtype=dtype, causal=causal,
                              dropout_p=dropout_p)
+    if not isinstance(allow_lossy, bool):
+        raise ValueError(f"allow_lossy must be True or False, got {allow_lossy!r}")
     if name is not None:
         backend = _lookup(name)
         reasons = backend.validate(config)
@@ -47,6 +56,9 @@ def select(name=None, *, head_size, num_heads, num_kv_heads, dtype, causal, drop
         return backend
     refused = []
     for backend in BACKENDS:
+        if backend.capabilities.lossy and not allow_lossy:
+            refused.append((backend, ["lossy (quantized): pass allow_lossy=True to consider it"]))
+            continue
         reasons = backend.validate(config)
         if not reasons:
             why = "; ".join(f"{b.__name__} refused: [{'; '.join(r)}]" for b, r in refused)

@@ -1,4 +1,4 @@
-"""attnkit's benchmark tool: ``python -m attnkit.bench`` (protocol: ../shared/BENCH.md).
+"""attnkit's benchmark tool: ``python -m attnkit.bench`` (protocol: docs/BENCH.md).
 
 Each op (``attention``, ``sparse_mla``) is an entry of :data:`registry.OPS` that knows its
 shapes, inputs, contenders (attnkit and its peers), reference check and FLOP count; the

@@ -1,6 +1,6 @@
 """``--op attention``: dense scaled dot-product attention (attnkit.attention).
 
-Shapes follow BENCH.md (A, A', V, Dc) or a custom "key=value,..." spec. The reference is
+Shapes follow docs/BENCH.md (A, A', V, Dc) or a custom "key=value,..." spec. The reference is
 float64 numpy on a subset of (batch, head, query row) triples, computed exactly with GQA and
 top-left causal semantics; peers are torch SDPA and attnkit's portable ("generic") kernel.
 """
@@ -13,6 +13,7 @@ from typing import Optional
 
 import numpy as np
 
+from .machine import INSTRUCTION_PEAK
 from .registry import (BenchOp, Case, Check, Contender, Counts, attnkit_contenders, itemsize, numpy_dtype,
                        optional_torch, register, shape_int)
 
@@ -32,12 +33,18 @@ PEER_TOL_FACTOR = 2.0  # a peer vs attnkit: both sides carry rounding error
 
 
 def runs_bf16_dot(row) -> bool:
-    """Whether a row is attnkit's exact attention on bf16 with vdpbf16ps for Q·Kᵀ and P·V
-    (nearly twice the fp32 FMA rate on Zen 4), which can exceed the fp32 FMA peak."""
+    """Whether a row's bf16 products run on vdpbf16ps: attnkit's exact attention on the
+    avx512bf16 variant (Q·Kᵀ and P·V), and torch's SDPA, whose bf16 GEMMs go to oneDNN,
+    which uses vdpbf16ps where the CPU has AVX512-BF16."""
     import attnkit
 
-    return (row.contender in ("attnkit", "attnkit-exact") and row.case.dtype == "bfloat16"
-            and attnkit.get_isa() == "avx512bf16")
+    return (row.case.dtype == "bfloat16" and attnkit.get_isa() == "avx512bf16"
+            and (row.contender in ("attnkit", "attnkit-exact") or row.contender.startswith("torch")))
+
+
+def exact_peak_of(row):
+    """(instruction, multiple of the fp32 FMA peak) whose peak bounds an exact-attention row."""
+    return ("bf16 dot", INSTRUCTION_PEAK["bf16 dot"]) if runs_bf16_dot(row) else ("fp32 FMA", 1.0)
 
 
 @dataclass(frozen=True)
@@ -51,7 +58,7 @@ class AttnShape:
     D: int
     Dv: int
     causal: bool
-    dtypes: Optional[tuple] = None    # BENCH.md dtypes of a named shape
+    dtypes: Optional[tuple] = None    # docs/BENCH.md dtypes of a named shape
     only_dtypes: bool = False         # the named shape is defined for `dtypes` only
     quick: bool = False
 
@@ -80,15 +87,17 @@ NAMED = {
     "A'": AttnShape("A'", 1, 32, 8, 2048, 2048, 128, 128, False, ("float32", "bfloat16")),
     "V": AttnShape("V", 1, 24, 24, 4608, 4608, 128, 128, False, ("bfloat16",), only_dtypes=True),
     "Dc": AttnShape("Dc", 1, 32, 8, 1, 8192, 128, 128, False, ("bfloat16",)),
+    # a trivial call, for the per-call overhead of each entry point (not a docs/BENCH.md shape)
+    "call": AttnShape("call", 1, 1, 1, 1, 16, 64, 64, False, ("float32",)),
 }
 ALIASES = {"a": "A", "a'": "A'", "ap": "A'", "aprime": "A'", "v": "V", "dc": "Dc",
-           "decode": "Dc"}
+           "decode": "Dc", "call": "call", "overhead": "call"}
 DEFAULT_SHAPES = ["A", "A'", "V", "Dc"]
 CUSTOM_DEFAULT_DTYPES = ("float32", "bfloat16")
 
 
 def parse_shape(text: str) -> AttnShape:
-    """"A" / "A'" / "Ap" / "V" / "Dc", or "B=1,Hq=32,Hkv=8,S=2048,D=128,causal" (keys B, Hq,
+    """"A" / "A'" / "Ap" / "V" / "Dc" / "call", or "B=1,Hq=32,Hkv=8,S=2048,D=128,causal" (keys B, Hq,
     Hkv, H (both), S (Sq and Skv), Sq, Skv, D, Dv; flags causal / noncausal). A custom spec
     may start from a named shape: "A,S=4096"."""
     text = text.strip()
@@ -273,8 +282,8 @@ class AttentionOp(BenchOp):
         sq = s.Sq if s.Sq == 1 else max(1, s.Sq // 4)
         return replace(s, Sq=sq, Skv=max(1, s.Skv // 4), quick=True)
 
-    def may_exceed_fp32_peak(self, row) -> bool:
-        return runs_bf16_dot(row)
+    def peak_of(self, row):
+        return exact_peak_of(row)
 
     def dtypes_for(self, shape, requested):
         if requested is None:
@@ -282,7 +291,7 @@ class AttentionOp(BenchOp):
         if shape.only_dtypes:
             kept = [d for d in requested if d in shape.dtypes]
             skipped = [d for d in requested if d not in shape.dtypes]
-            note = (f"{shape.name}: skipped {', '.join(skipped)} (BENCH.md defines it for "
+            note = (f"{shape.name}: skipped {', '.join(skipped)} (docs/BENCH.md defines it for "
                     f"{', '.join(shape.dtypes)} only)") if skipped else ""
             return kept, note
         return list(requested), ""
@@ -347,8 +356,30 @@ class AttentionOp(BenchOp):
             return attnkit.attention(x.q, x.k, x.v, causal=causal, enable_gqa=gqa)
 
         out = attnkit_contenders(run_attnkit, notes)
+        if s.name == "call":
+            out += self.attnkit_torch_contender(s, notes)
         out += self.torch_sdpa_contender(s, notes)
         return out, notes
+
+    @staticmethod
+    def attnkit_torch_contender(s, notes) -> list:
+        """attnkit.attention on the same inputs as torch tensors (eager, no grad): the torch
+        entry point's cost per call, next to numpy's (attnkit) and torch's own SDPA."""
+        torch = optional_torch()
+        if torch is None:
+            notes.append("attnkit-torch: skipped (torch is not importable)")
+            return []
+        import attnkit
+
+        def run(x):
+            q, k, v = x.torch()
+            with torch.no_grad():
+                return attnkit.attention(q, k, v, causal=s.causal, enable_gqa=s.gqa)
+
+        notes.append("shape call: a trivial call; its times are each entry point's overhead per call "
+                     "(attnkit: numpy arrays, attnkit-torch: torch tensors, eager)")
+        return [Contender("attnkit-torch", "peer", run, set_threads=attnkit.set_num_threads,
+                          note="attnkit.attention on torch tensors")]
 
     @staticmethod
     def torch_sdpa_contender(s, notes, **fields) -> list:

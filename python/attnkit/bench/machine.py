@@ -1,5 +1,6 @@
 """The machine the benchmark runs on: CPU model, cores, last-level cache, and its measured
-fp32 FMA peak and read bandwidth per thread count (BENCH.md protocol step 6)."""
+fp32 FMA peak and read bandwidth per thread count (docs/BENCH.md protocol step 6), and the
+peak of each instruction a row's path may run, derived from the measured fp32 FMA peak."""
 
 from __future__ import annotations
 
@@ -26,6 +27,26 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
+
+
+def cpu_family_model() -> str:
+    """ "family F model M" from /proc/cpuinfo (the model name alone, e.g. "AMD EPYC" in a
+    VM, does not tell Zen 4 from Zen 5), "" if unknown."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("cpu family", "model") and key not in fields:
+                    fields[key] = value.strip()
+                if not line.strip():
+                    break
+    except OSError:
+        pass
+    if "cpu family" in fields and "model" in fields:
+        return f"family {fields['cpu family']} model {fields['model']}"
+    return ""
 
 
 def cores() -> int:
@@ -57,6 +78,21 @@ def last_level_cache_bytes() -> int:
     return best or (32 << 20)
 
 
+# The peak of each instruction a benchmark row's inner products run on, as a multiple of
+# the measured fp32 FMA peak: per 512-bit instruction vfmadd231ps does 16 multiply-adds,
+# vdpbf16ps 32 (bf16 pairs) and vpdpbusd 64 (int8 quads), issued at the same rate on Zen 4
+# (AMD's Zen 4 optimisation guide; assumed for Zen 5). A model, not a measurement: only the
+# fp32 FMA peak is measured.
+INSTRUCTION_PEAK = {"fp32 FMA": 1.0, "bf16 dot": 2.0, "int8 dot": 4.0}
+
+
+def mixed_peak_factor(parts) -> float:
+    """The peak multiple of a path whose FLOPs split over instructions: parts is
+    ((instruction, FLOP share), ...); the time bound adds each share at its own rate."""
+    total = sum(share for _, share in parts)
+    return total / sum(share / INSTRUCTION_PEAK[kind] for kind, share in parts)
+
+
 @dataclass
 class Machine:
     model: str
@@ -72,7 +108,9 @@ class Machine:
     def line(self) -> str:
         peaks = ", ".join(f"{t} thr {g:.0f}" for t, g in sorted(self.peak_gflops.items()))
         bws = ", ".join(f"{t} thr {b:.1f}" for t, b in sorted(self.read_gbs.items()))
-        return (f"machine: {self.model}, {self.cores} cores, LLC {self.llc_bytes >> 20} MiB | "
+        fm = cpu_family_model()
+        return (f"machine: {self.model}{f' ({fm})' if fm else ''}, {self.cores} cores, "
+                f"LLC {self.llc_bytes >> 20} MiB | "
                 f"isa {self.isa} (supported: {', '.join(self.supported_isas)}) | "
                 f"fp32 FMA peak GFLOP/s ({self.isa}): {peaks} | read GB/s: {bws} | "
                 f"attnkit {self.attnkit_version}, {self.torch_version} "

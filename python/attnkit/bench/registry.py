@@ -169,6 +169,7 @@ def load_ops() -> dict:
     from . import attention_op  # noqa: F401  (registers "attention")
     from . import sparse_mla_op  # noqa: F401  (registers "sparse_mla")
     from . import sage_op  # noqa: F401  (registers "sage")
+    from . import serving_op  # noqa: F401  (registers "varlen" and "paged")
     return OPS
 
 

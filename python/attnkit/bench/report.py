@@ -16,7 +16,9 @@ def _ms(x: float) -> str:
         return f"{x:.1f}"
     if x >= 1:
         return f"{x:.2f}"
-    return f"{x:.3f}"
+    if x >= 0.1:
+        return f"{x:.3f}"
+    return f"{x:.4f}"  # a per-call overhead row: tenths of a microsecond
 
 
 def _num(x: float, fmt: str) -> str:
@@ -28,7 +30,7 @@ def _verify(row) -> str:
         if row.detail:
             return f"ok ({row.detail})"
         errs = [e for e in (row.err, row.peer_err) if math.isfinite(e)]
-        return f"ok ({max(errs):.1e})" if errs else "ok"
+        return f"ok (err {max(errs):.1e})" if errs else "ok"
     if row.status == "error":
         return "error (skipped)"
     return row.status
@@ -54,7 +56,8 @@ def format_tables(rows) -> str:
     for _, grp in groupby(rows, key=_case_key):
         grp = list(grp)
         mem = grp[0].memory_bound
-        cols = ["threads", "contender", "ms median (min-max)", "GFLOP/s", "% peak", "vs attnkit"]
+        cols = ["threads", "contender", "ms median (min-max)", "GFLOP/s", "% peak", "peak of",
+                "vs attnkit"]
         if mem:
             cols += ["floor ms", "x floor"]
         cols += ["verify"]
@@ -65,14 +68,14 @@ def format_tables(rows) -> str:
             else:
                 ms = "not timed"
             line = [str(r.threads), r.contender, ms, _num(r.gflops, ".1f"),
-                    _num(r.pct_peak, ".1f") + ("%" if r.timed else ""),
+                    _num(r.pct_peak, ".1f") + ("%" if r.timed else ""), r.peak_of,
                     _num(r.ratio, ".2f")]
             if mem:
                 line += [_ms(r.floor_ms), _num(r.x_floor, ".2f")]
             line += [_verify(r)]
             table.append(line)
         widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
-        left = {1, len(cols) - 1}
+        left = {1, 5, len(cols) - 1}
         fmt = lambda cells: "  ".join(  # noqa: E731
             c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
         out.append(_case_header(grp))
@@ -87,7 +90,7 @@ def format_tables(rows) -> str:
 
 CSV_FIELDS = ["op", "shape", "dims", "dtype", "quick", "threads", "contender", "role", "status",
               "detail", "err_vs_ref", "err_vs_attnkit", "ms_median", "ms_min", "ms_max", "reps",
-              "calls_per_sample", "gflop", "gflops", "peak_gflops", "pct_peak", "ratio_vs_attnkit",
+              "calls_per_sample", "gflop", "gflops", "peak_gflops", "peak_of", "pct_peak", "ratio_vs_attnkit",
               "mem_bytes", "read_gbs", "floor_ms", "x_floor", "note"]
 
 
@@ -101,7 +104,7 @@ def write_csv(path: str, rows) -> None:
                         int(getattr(s, "quick", False)), r.threads, r.contender, r.role, r.status,
                         r.detail, r.err, r.peer_err, r.ms_median, r.ms_min, r.ms_max,
                         len(r.times_ms), r.inner, r.flops / 1e9, r.gflops, r.peak_gflops,
-                        r.pct_peak, r.ratio, r.mem_bytes if r.memory_bound else "", r.read_gbs,
+                        r.peak_of, r.pct_peak, r.ratio, r.mem_bytes if r.memory_bound else "", r.read_gbs,
                         r.floor_ms if r.memory_bound else "", r.x_floor if r.memory_bound else "",
                         r.note])
 
@@ -127,7 +130,7 @@ def write_plot(path: str, rows, title: str = "") -> None:
     for i, n in enumerate(names):
         vals = [d[n].pct_peak if n in d and d[n].timed else 0.0 for _, d in groups]
         ax1.bar([x + i * width for x in xs], vals, width, label=n, color=color[n])
-    ax1.set_ylabel("% of measured fp32 peak")
+    ax1.set_ylabel("% of the peak of each row's instruction")
     ax1.set_title(title or "attnkit benchmark")
     width2 = 0.8 / max(1, len(peers))
     for i, n in enumerate(peers):

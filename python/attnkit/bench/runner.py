@@ -45,7 +45,8 @@ class Row:
     flops: float = 0.0
     mem_bytes: Optional[float] = None
     memory_bound: bool = False
-    peak_gflops: float = math.nan
+    peak_gflops: float = math.nan   # of the instruction in peak_of, this thread count
+    peak_of: str = "fp32 FMA"       # the instruction whose peak % peak is of
     read_gbs: float = math.nan
     ratio: float = math.nan      # this contender's median / attnkit's median
     note: str = ""
@@ -116,7 +117,7 @@ class Progress:
 
 
 def input_sets_needed(input_bytes: int, llc_bytes: int, max_sets: int) -> int:
-    """Rotate input sets when one set would stay in cache between calls (BENCH.md step 3)."""
+    """Rotate input sets when one set would stay in cache between calls (docs/BENCH.md step 3)."""
     if input_bytes <= 0:
         return 1
     return max(1, min(max_sets, math.ceil(2 * llc_bytes / input_bytes)))

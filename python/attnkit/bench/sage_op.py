@@ -22,8 +22,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from .attention_op import (NAMED, AttentionOp, AttnInputs, AttnShape, _subset,
-                           exact_reference, runs_bf16_dot)
+from .machine import mixed_peak_factor
+from .attention_op import (NAMED, AttentionOp, AttnInputs, AttnShape, _subset, exact_peak_of,
+                           exact_reference)
 from .registry import Check, Contender, register
 
 COS_MIN, REL_L1_MAX = 0.999, 0.02
@@ -75,8 +76,17 @@ class SageOp(AttentionOp):
     def dtypes_for(self, shape, requested):
         return (list(SAGE_DTYPES) if requested is None else list(requested)), ""
 
-    def may_exceed_fp32_peak(self, row) -> bool:
-        return row.role == "attnkit" or runs_bf16_dot(row)
+    def peak_of(self, row):
+        """Sage on avx512bf16: Q·Kᵀ on vpdpbusd, P·V on vdpbf16ps (FLOP shares D and Dv);
+        elsewhere fp32 FMAs on the integers. Exact peers as in --op attention."""
+        import attnkit
+
+        if row.role == "attnkit":
+            if attnkit.get_isa() != "avx512bf16":
+                return "fp32 FMA", 1.0
+            s = row.case.shape
+            return "int8+bf16 dot", mixed_peak_factor((("int8 dot", s.D), ("bf16 dot", s.Dv)))
+        return exact_peak_of(row)
 
     # --- verification: the quantized contract for sage, attention's checks for exact peers
     def verify(self, case, ref, out):
@@ -112,8 +122,8 @@ class SageOp(AttentionOp):
             f"sage verified per head on the float64 reference subset with {CONTRACT}; exact "
             "peers as in --op attention; FLOPs are exact attention's (causal: visible pairs)",
             "attnkit-exact's 'vs attnkit' = sage's speedup over exact attention (target >= 2)",
-            "attnkit-sage-int8's % peak is of the fp32 FMA peak: its int8 Q·Kᵀ and bf16 P·V "
-            "outrun fp32 FMAs, so it may exceed 100%",
+            "attnkit-sage-int8's % peak is of its mixed peak (int8+bf16 dot): Q·Kᵀ at the int8 "
+            "dot rate, P·V at the bf16 dot rate, weighted by D and Dv",
             _fp4_note(),
         ]
 

@@ -1,6 +1,6 @@
 """``--op sparse_mla``: DeepSeek-V3.2 sparse MLA prefill (attnkit.sparse_mla_prefill_fwd).
 
-Shape B of BENCH.md (s_q=1024, h_q=128, d_qk=576, d_v=512, topk=2048, s_kv=8192, one kv
+Shape B of docs/BENCH.md (s_q=1024, h_q=128, d_qk=576, d_v=512, topk=2048, s_kv=8192, one kv
 head) in fp8 e4m3 (q8kv8, float32 per-tensor scales) and bf16, or a custom "key=value,..."
 spec. Indices are distinct random kv rows per query row with round(5% of topk) slots set to
 -1 at random positions, so the number of valid slots (and the FLOP count) is exact before the
@@ -17,6 +17,7 @@ from typing import Optional
 
 import numpy as np
 
+from .machine import mixed_peak_factor
 from .registry import (BenchOp, Case, Check, Contender, Counts, attnkit_contenders, itemsize, numpy_dtype,
                        optional_torch, register, shape_int)
 
@@ -27,7 +28,7 @@ DTYPE_ALIASES = {
     "bfloat16": BF16, "bf16": BF16,
 }
 FP8_MAX = 448.0
-SM_SCALE = 0.1352          # DeepSeek-V3.2's softmax scale (BENCH.md), not 1/sqrt(d_qk)
+SM_SCALE = 0.1352          # DeepSeek-V3.2's softmax scale (docs/BENCH.md), not 1/sqrt(d_qk)
 INVALID_FRACTION = 0.05    # slots set to -1 per query row
 QUICK_S_Q = 32
 TORCH_CHUNK = 16           # query rows per batched matmul in the torch reference
@@ -250,11 +251,15 @@ class SparseMlaOp(BenchOp):
     def quick_shape(self, s):
         return replace(s, s_q=min(s.s_q, QUICK_S_Q), quick=True)
 
-    def may_exceed_fp32_peak(self, row) -> bool:
-        # KV·Qᵀ runs on vdpbf16ps where the CPU has it (fp8 and bf16 values are exact in bf16)
+    def peak_of(self, row):
+        # KV·Qᵀ runs on vdpbf16ps where the CPU has it (fp8 and bf16 values are exact in bf16),
+        # P·V on fp32 FMAs: FLOP shares d_qk and d_v
         import attnkit
 
-        return row.contender == "attnkit" and attnkit.get_isa() == "avx512bf16"
+        if row.contender == "attnkit" and attnkit.get_isa() == "avx512bf16":
+            s = row.case.shape
+            return "bf16+fp32", mixed_peak_factor((("bf16 dot", s.d_qk), ("fp32 FMA", s.d_v)))
+        return "fp32 FMA", 1.0
 
     def dtypes_for(self, shape, requested):
         if requested is None:

@@ -57,6 +57,12 @@ struct Elem<DType::float8_e4m3fn> {
   static float load(uint8_t x) { return float8_e4m3fn_to_float(x); }
 };
 
+template <>
+struct Elem<DType::float8_e5m2> {
+  using type = uint8_t;
+  static float load(uint8_t x) { return float8_e5m2_to_float(x); }
+};
+
 typedef uint16_t vhalf __attribute__((vector_size(kLanes * sizeof(uint16_t))));
 typedef uint8_t vbyte __attribute__((vector_size(kLanes)));
 
@@ -103,6 +109,22 @@ inline vfloat vload_as_float(const typename Elem<T>::type* p) {
     vfloat f = (vfloat)(magnitude << 20) * 0x1p120f;
     f = (vfloat)((vint)f | ((x & 0x80) << 24));
     return magnitude == 0x7F ? vbroadcast(__builtin_nanf("")) : f;
+  } else if constexpr (T == DType::float8_e5m2) {
+    // e5m2 is the high byte of a float16 with the same value: widen, shift, convert.
+#if defined(ATTNKIT_ISA_avx512)
+    const __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8);
+    typedef float v8 __attribute__((vector_size(32)));
+    const v8 lo = (v8)_mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    const v8 hi = (v8)_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#elif defined(ATTNKIT_ISA_avx2)
+    const __m128i h = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 8);
+    return (vfloat)_mm256_cvtph_ps(h);
+#else
+    vfloat v;
+    for (int i = 0; i < kLanes; ++i) v[i] = Elem<T>::load(p[i]);
+    return v;
+#endif
   } else {
 #if defined(ATTNKIT_ISA_avx512)
     // Two 8-lane F16C conversions (GCC 12 warns inside _mm512_cvtph_ps).

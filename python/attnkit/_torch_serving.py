@@ -1,0 +1,97 @@
+"""The serving ops registered with torch.library (define + impl + register_fake), so that
+torch.compile(fullgraph=True) traces them: varlen and paged attention (functional, and _out
+forms writing caller buffers) and append_kv_cache (mutates the caches)."""
+
+import torch
+
+from ._torch_ops import register_grad_refusal
+from .serving import _packed_out_shapes, run_append, run_paged, run_varlen
+
+_LIB = torch.library.Library("attnkit", "FRAGMENT")
+
+_VARLEN = ("Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int? max_seqlen_q, "
+           "int? max_seqlen_k, bool causal, float? scale")
+_PAGED = ("Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, Tensor cu_seqlens_q, "
+          "Tensor? k_scale, Tensor? v_scale, bool causal, float? scale")
+_LIB.define(f"varlen_attention({_VARLEN}) -> (Tensor, Tensor)")
+_LIB.define(f"varlen_attention_out({_VARLEN}, Tensor(a!) out, Tensor(b!)? lse) -> ()")
+_LIB.define(f"paged_attention({_PAGED}) -> (Tensor, Tensor)")
+_LIB.define(f"paged_attention_out({_PAGED}, Tensor(a!) out, Tensor(b!)? lse) -> ()")
+_LIB.define("append_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+            "Tensor? k_scale, Tensor? v_scale) -> ()")
+
+
+def _new_outputs(q, v, name_v, fake):
+    out_shape, lse_shape = _packed_out_shapes(q, v, name_v)
+    if fake:
+        return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
+    return torch.empty(out_shape, dtype=q.dtype), torch.empty(lse_shape, dtype=torch.float32)
+
+
+def _varlen_impl(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    out, lse = _new_outputs(q, v, "v", fake=False)
+    run_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, out, lse)
+    return out, lse
+
+
+def _varlen_fake(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    return _new_outputs(q, v, "v", fake=True)
+
+
+def _varlen_out_impl(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, out, lse):
+    run_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, out, lse)
+
+
+def _paged_impl(q, k_cache, v_cache, block_table, seq_lens, cu_q, k_scale, v_scale, causal, scale):
+    out, lse = _new_outputs(q, v_cache, "v_cache", fake=False)
+    run_paged(q, k_cache, v_cache, block_table, seq_lens, cu_q, k_scale, v_scale, causal, scale, out, lse)
+    return out, lse
+
+
+def _paged_fake(q, k_cache, v_cache, block_table, seq_lens, cu_q, k_scale, v_scale, causal, scale):
+    return _new_outputs(q, v_cache, "v_cache", fake=True)
+
+
+def _paged_out_impl(q, k_cache, v_cache, block_table, seq_lens, cu_q, k_scale, v_scale, causal, scale, out, lse):
+    run_paged(q, k_cache, v_cache, block_table, seq_lens, cu_q, k_scale, v_scale, causal, scale, out, lse)
+
+
+def _nothing(*args):
+    return None
+
+
+for _name, _impl, _fake in (("varlen_attention", _varlen_impl, _varlen_fake),
+                            ("varlen_attention_out", _varlen_out_impl, _nothing),
+                            ("paged_attention", _paged_impl, _paged_fake),
+                            ("paged_attention_out", _paged_out_impl, _nothing),
+                            ("append_kv_cache", run_append, _nothing)):
+    _LIB.impl(_name, _impl, "CPU")
+    torch.library.register_fake(f"attnkit::{_name}", _fake, lib=_LIB)
+    register_grad_refusal(_name, _LIB)
+
+
+def varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_lse, out):
+    """The torch path of attnkit.varlen_attention (arguments already checked for kind)."""
+    if out is None:
+        out, lse = torch.ops.attnkit.varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
+        return (out, lse) if return_lse else out
+    lse = torch.empty(_packed_out_shapes(q, v, "v")[1], dtype=torch.float32) if return_lse else None
+    torch.ops.attnkit.varlen_attention_out(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, out, lse)
+    return (out, lse) if return_lse else out
+
+
+def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_q, k_scale, v_scale, causal, scale, return_lse,
+                    out):
+    """The torch path of attnkit.paged_attention (arguments already checked for kind)."""
+    args = (q, k_cache, v_cache, block_table, seq_lens, cu_q, k_scale, v_scale, causal, scale)
+    if out is None:
+        out, lse = torch.ops.attnkit.paged_attention(*args)
+        return (out, lse) if return_lse else out
+    lse = torch.empty(_packed_out_shapes(q, v_cache, "v_cache")[1], dtype=torch.float32) if return_lse else None
+    torch.ops.attnkit.paged_attention_out(*args, out, lse)
+    return (out, lse) if return_lse else out
+
+
+def append_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale):
+    """The torch path of attnkit.append_kv_cache."""
+    torch.ops.attnkit.append_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)

@@ -1,0 +1,123 @@
+"""Ring attention benchmark: ``python -m attnkit.bench.ring``.
+
+2 ranks × 1 thread (gloo on loopback, zigzag shards) against 1 process × 1 thread
+(attnkit.attention on the whole sequence), causal, interleaved rep by rep inside one
+spawned group: rank 0 times the single-process call while rank 1 waits at a barrier,
+then both time ring_attention. Reports medians of the wall time (the slower rank), the
+speed-up, the CPU time of each (independent of how busy the machine is), and per ring
+step the median compute and wait (transfer not hidden) of each rank. The ring output is
+checked against the single-process one first.
+"""
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: no spinning OpenMP threads
+
+
+def _rank_main(rank, world, store_path, args, result_path):
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
+    import torch
+    import torch.distributed as dist
+
+    import attnkit
+    from attnkit import distributed as ad
+
+    torch.set_num_threads(1)
+    attnkit.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(minutes=10))
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, args.heads, args.seq, args.dim, generator=g).to(dtype)
+    k = torch.randn(1, args.kv_heads, args.seq, args.dim, generator=g).to(dtype)
+    v = torch.randn(1, args.kv_heads, args.seq, args.dim, generator=g).to(dtype)
+    gqa = args.heads != args.kv_heads
+    lq, lk, lv = (ad.shard_sequence(x, world, rank, layout="zigzag") for x in (q, k, v))
+
+    single_s, ring_s, steps, single_cpu, ring_cpu = [], [], [], [], []
+    for rep in range(args.reps + 1):  # rep 0 warms up and verifies
+        dist.barrier()
+        if rank == 0:
+            t0, c0 = time.perf_counter(), time.process_time()
+            want = attnkit.attention(q, k, v, causal=True, enable_gqa=gqa)
+            single_s.append(time.perf_counter() - t0)
+            single_cpu.append(time.process_time() - c0)
+        dist.barrier()
+        timings = []
+        t0, c0 = time.perf_counter(), time.process_time()
+        out = ad.ring_attention(lq, lk, lv, causal=True, layout="zigzag", enable_gqa=gqa, timings=timings)
+        wall = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        ring_cpu.append(time.process_time() - c0)
+        dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+        ring_s.append(wall.item())
+        steps.append(timings)
+        if rep == 0:
+            full = ad.gather_sequence(out, layout="zigzag")
+            if rank == 0:
+                err = (full.double() - want.double()).abs().max().item()
+                tol = 1e-4 if dtype == torch.float32 else 3e-2
+                if not err <= tol:
+                    raise AssertionError(f"ring output differs from one process by {err} (> {tol})")
+                print(f"verified: ring vs one process, max |diff| {err:.2e}", flush=True)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (steps[1:], ring_cpu[1:]))
+    if rank == 0:
+        import json
+        with open(result_path, "w") as f:
+            json.dump({"single_s": single_s[1:], "single_cpu_s": single_cpu[1:], "ring_s": ring_s[1:],
+                       "steps": [g[0] for g in gathered], "ring_cpu_s": [g[1] for g in gathered]}, f)
+    dist.destroy_process_group()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq", type=int, default=16384)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
+    p.add_argument("--reps", type=int, default=5)
+    args = p.parse_args(argv)
+    import json
+
+    import torch.multiprocessing as mp
+    world = 2
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path = os.path.join(tmp, "result.json")
+        mp.spawn(_rank_main, args=(world, os.path.join(tmp, "store"), args, result_path), nprocs=world, join=True)
+        with open(result_path) as f:
+            r = json.load(f)
+    single, ring = statistics.median(r["single_s"]), statistics.median(r["ring_s"])
+    flops = 4 * args.seq * args.seq * args.dim * args.heads / 2  # causal: half the score matrix
+    print(f"shape B=1 Hq={args.heads} Hkv={args.kv_heads} S={args.seq} D=Dv={args.dim} {args.dtype} causal, "
+          f"zigzag, {args.reps} reps (medians; machine shared, figures indicative)")
+    print("| contender | ms | GFLOP/s | speed-up |")
+    print("|---|---|---|---|")
+    print(f"| 1 rank x 1 thread (attnkit.attention) | {single * 1e3:.0f} | {flops / single / 1e9:.1f} | 1.00x |")
+    print(f"| 2 ranks x 1 thread (ring_attention) | {ring * 1e3:.0f} | {flops / ring / 1e9:.1f} | "
+          f"{single / ring:.2f}x |")
+    print(f"single reps (ms): {[round(x * 1e3) for x in r['single_s']]}; ring reps (ms): "
+          f"{[round(x * 1e3) for x in r['ring_s']]}")
+    # CPU seconds (process time, gloo's threads included) do not depend on how many cores
+    # the other tenants leave: they show how the work splits.
+    cpu = [statistics.median(c) for c in r["ring_cpu_s"]]
+    print(f"CPU s per call (medians): 1 rank {statistics.median(r['single_cpu_s']):.2f}; ring ranks "
+          + ", ".join(f"{c:.2f}" for c in cpu))
+    print("| rank | step | compute ms (median) | wait ms (median) |")
+    print("|---|---|---|---|")
+    for rank, reps in enumerate(r["steps"]):
+        for step in range(world):
+            compute = statistics.median(rep[step]["compute_s"] for rep in reps)
+            wait = statistics.median(rep[step]["wait_s"] for rep in reps)
+            print(f"| {rank} | {step} | {compute * 1e3:.1f} | {wait * 1e3:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

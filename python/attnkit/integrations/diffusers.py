@@ -1,0 +1,121 @@
+"""attnkit as backends of diffusers' attention dispatcher (diffusers.models.attention_dispatch):
+after ``register()``, ``model.set_attention_backend("attnkit")`` or
+``with attention_backend("attnkit"): ...`` runs every dispatched attention on attnkit.
+
+- "attnkit": exact attention (attnkit.attention, torch SDPA semantics: masks, causal,
+  scale, dropout, GQA).
+- "attnkit_sage": SageAttention-style int8 attention (attnkit.sage_attention(mode="int8")),
+  lossy, so only when named: no mask and no dropout (a ValueError, as diffusers' own sage
+  backend refuses a mask).
+
+diffusers keeps its backend names in a closed Enum (AttentionBackendName) and offers no way
+to add one, so register() adds the two members to that Enum's member tables, the one step
+here that reaches into diffusers' internals; everything else uses its registry's public
+decorator. Tensors are [B, S, H, D], the dispatcher's layout, which attnkit reads in place
+(layout "BSHD"). Inputs that require grad in grad mode (attnkit has no backward yet) and
+what attnkit cannot compute (float64, tensors off the CPU, head dims over 512) go to
+diffusers' native backend, with a warning once.
+"""
+
+import enum
+import threading
+import warnings
+
+import torch
+
+import attnkit
+
+EXACT = "attnkit"
+SAGE = "attnkit_sage"
+
+_warned = set()
+_lock = threading.Lock()
+
+
+def _warn_once(reason):
+    with _lock:
+        if reason in _warned:
+            return
+        _warned.add(reason)
+    warnings.warn(f"attnkit's diffusers backend: {reason}; using diffusers' native backend", stacklevel=3)
+
+
+def _native_reason(query, key, value, attn_mask):
+    tensors = [query, key, value] + ([attn_mask] if attn_mask is not None else [])
+    if any(t.device.type != "cpu" for t in tensors):
+        return f"tensors on {query.device.type}"
+    if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"dtype {str(query.dtype).removeprefix('torch.')}"
+    if query.shape[-1] > 512 or value.shape[-1] > 512:
+        return "head dim over 512"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return "inputs require grad and attnkit has no backward yet"
+    return None
+
+
+def _native(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+    native = _AttentionBackendRegistry._backends[AttentionBackendName.NATIVE]
+    return native(query=query, key=key, value=value, attn_mask=attn_mask, dropout_p=dropout_p,
+                  is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse)
+
+
+def _no_context_parallel(parallel_config):
+    if parallel_config is not None:
+        raise ValueError("attnkit's diffusers backends do not support context parallelism")
+
+
+def exact_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                    enable_gqa=False, return_lse=False, _parallel_config=None):
+    """The "attnkit" backend: [B, S, H, D] in and out; lse [B, H, S] with return_lse."""
+    _no_context_parallel(_parallel_config)
+    reason = _native_reason(query, key, value, attn_mask)
+    if reason is not None:
+        _warn_once(reason)
+        return _native(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse)
+    return attnkit.attention(query, key, value, attn_mask=attn_mask, causal=bool(is_causal), scale=scale,
+                             dropout_p=dropout_p, enable_gqa=query.shape[2] != key.shape[2] or enable_gqa,
+                             layout="BSHD", return_lse=return_lse)
+
+
+def sage_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                   return_lse=False, _parallel_config=None):
+    """The "attnkit_sage" backend (int8, lossy): [B, S, H, D] in and out."""
+    _no_context_parallel(_parallel_config)
+    if attn_mask is not None:
+        raise ValueError("attn_mask is not supported by the attnkit_sage backend")
+    if dropout_p:
+        raise ValueError(f"dropout_p={dropout_p} is not supported by the attnkit_sage backend")
+    reason = _native_reason(query, key, value, None)
+    if reason is not None:
+        _warn_once(reason)
+        return _native(query, key, value, None, 0.0, is_causal, scale, False, return_lse)
+    return attnkit.sage_attention(query, key, value, causal=bool(is_causal), scale=scale, layout="BSHD",
+                                  mode="int8", return_lse=return_lse)
+
+
+def _enum_member(enum_cls, name, value):
+    """enum_cls(value), adding the member first if the Enum does not have it."""
+    try:
+        return enum_cls(value)
+    except ValueError:
+        pass
+    member = str.__new__(enum_cls, value)
+    member._name_, member._value_ = name, value
+    member.__objclass__ = enum_cls
+    enum_cls._member_map_[name] = member
+    enum_cls._value2member_map_[value] = member
+    enum_cls._member_names_.append(name)
+    return member
+
+
+def register():
+    """Adds the "attnkit" and "attnkit_sage" backends to diffusers' dispatcher. Idempotent.
+    Returns the two names."""
+    from diffusers.models.attention_dispatch import (AttentionBackendName, _AttentionBackendRegistry,
+                                                     _check_device, _check_shape)
+    assert issubclass(AttentionBackendName, enum.Enum)
+    for name, value, fn in (("ATTNKIT", EXACT, exact_attention), ("ATTNKIT_SAGE", SAGE, sage_attention)):
+        member = _enum_member(AttentionBackendName, name, value)
+        _AttentionBackendRegistry.register(member, constraints=[_check_device, _check_shape])(fn)
+    return EXACT, SAGE

@@ -1,0 +1,204 @@
+"""attnkit.torch: a drop-in for torch.nn.functional.scaled_dot_product_attention, and a
+scoped switch that routes torch's own function through it.
+
+    import attnkit.torch
+    out = attnkit.torch.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with attnkit.torch.sdpa_override():
+        model(x)        # every F.scaled_dot_product_attention on CPU tensors runs on attnkit
+
+Semantics are torch's (the math kernel's): any number of leading dims, right-aligned
+broadcasting between query, key, value and the mask, dim -3 as heads (enable_gqa repeats
+key/value heads; a key/value head count of 1 broadcasts), attn_mask bool (True = attend) or
+additive float, is_causal top-left (combined with attn_mask when both are given, as torch
+2.13's CPU flash kernel does; its math kernel refuses the pair), scale defaulting to 1/sqrt(E) and given as a float, numpy scalar or 0-d tensor.
+
+What attnkit cannot compute goes to torch's own kernel, with a warning once per reason:
+float64 (and other dtypes than float32/float16/bfloat16), tensors off the CPU, inputs that
+require grad in grad mode (attnkit has no backward yet), head dims over 512, mask dtypes
+attnkit does not take and nested tensors. Calls torch refuses go to torch's kernel quietly,
+so that they raise its own error.
+Inputs with no elements (D = 0, L = 0, S = 0, a zero batch) also go to torch's kernel,
+silently: their results are trivial and torch defines them. Differences that remain: dropout
+draws its keep mask from attnkit's counter-based generator (seeded from torch's generator,
+so torch.manual_seed makes it reproducible, but not the same mask as torch's), and a query
+row with no attendable key gives 0 (as torch 2.13's CPU kernels do).
+"""
+
+import contextlib
+import threading
+import warnings
+
+import torch
+
+from .ops import attention, flag, real_scalar
+
+__all__ = ["scaled_dot_product_attention", "sdpa_override"]
+
+# torch's function as it was when attnkit.torch was first imported: the fallback, and what
+# sdpa_override restores. Never the override itself, so a fallback cannot recurse.
+_TORCH_SDPA = torch.nn.functional.scaled_dot_product_attention
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_MASK_DTYPES = (torch.bool, torch.float32, torch.float16, torch.bfloat16)
+_MAX_HEAD_DIM = 512
+
+_warned = set()
+_warn_lock = threading.Lock()
+
+
+def _warn_once(reason):
+    with _warn_lock:
+        if reason in _warned:
+            return
+        _warned.add(reason)
+    warnings.warn(f"attnkit.torch.scaled_dot_product_attention: {reason}; using torch's own kernel",
+                  stacklevel=3)
+
+
+def _fallback_reason(query, key, value, attn_mask):
+    """Why attnkit cannot compute this call ("" = it can, None = leave it to torch quietly:
+    arguments torch itself rejects, or inputs with no elements)."""
+    tensors = (query, key, value) if attn_mask is None else (query, key, value, attn_mask)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return None
+    if any(t.is_nested for t in tensors):
+        return "nested tensors"
+    if any(t.device.type != "cpu" for t in tensors):
+        return f"tensors on {query.device.type}"
+    if query.dim() < 2 or key.dim() < 2 or value.dim() < 2:
+        return None
+    if not query.dtype == key.dtype == value.dtype:
+        return None
+    if query.dtype not in _DTYPES:
+        return f"dtype {str(query.dtype).removeprefix('torch.')}"
+    if attn_mask is not None and attn_mask.dtype not in _MASK_DTYPES:
+        return f"attn_mask dtype {str(attn_mask.dtype).removeprefix('torch.')}"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return "inputs require grad and attnkit has no backward yet"
+    if any(t.numel() == 0 for t in (query, key, value)):
+        return None
+    if query.shape[-1] > _MAX_HEAD_DIM or value.shape[-1] > _MAX_HEAD_DIM:
+        return f"head dim over {_MAX_HEAD_DIM}"
+    return ""
+
+
+def _as_4d_batch(x, batch, heads):
+    """x ([..., heads, rows, cols]) expanded to batch + [heads, rows, cols] and flattened to
+    [prod(batch), heads, rows, cols]: a view, except where a broadcast batch cannot merge."""
+    x = x.expand(*batch, heads, *x.shape[-2:])
+    if len(batch) == 1:
+        return x
+    return x.reshape(-1, heads, *x.shape[-2:])
+
+
+def _pad(x, ndim):
+    """x with leading size-1 dims up to ndim (torch's right-aligned broadcasting)."""
+    return x.reshape((1,) * (ndim - x.dim()) + tuple(x.shape)) if x.dim() < ndim else x
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                 scale=None, enable_gqa=False):
+    """torch.nn.functional.scaled_dot_product_attention, computed by attnkit.attention on CPU
+    tensors (see the module docstring for what goes to torch's kernel instead).
+
+    query [..., Hq, L, E], key [..., Hk, S, E], value [..., Hv, S, Ev] -> [..., H, L, Ev]."""
+    is_causal = flag(is_causal, "is_causal")
+    enable_gqa = flag(enable_gqa, "enable_gqa")
+    dropout_p = real_scalar(dropout_p, "dropout_p")
+    reason = _fallback_reason(query, key, value, attn_mask)
+    if reason == "":
+        try:
+            return _attnkit_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        except _Unmapped as e:
+            reason = e.reason
+    if reason:
+        _warn_once(reason)
+    return _TORCH_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                       scale=scale, enable_gqa=enable_gqa)
+
+
+class _Unmapped(Exception):
+    """The call has no attnkit.attention equivalent; reason as in _fallback_reason."""
+
+    def __init__(self, reason):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _attnkit_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """The call on attnkit.attention (raises _Unmapped where there is none)."""
+    ndim = max(query.dim(), key.dim(), value.dim(), 4)
+    q, k, v = _pad(query, ndim), _pad(key, ndim), _pad(value, ndim)
+    hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
+    # attnkit reads kv head h // (H / Hkv) for query head h: torch's repeat_interleave under
+    # enable_gqa, and also its broadcast of a single kv head.
+    if hk != hv:
+        if min(hk, hv) != 1:
+            raise _Unmapped(None)  # torch refuses it: no broadcast
+        hk = max(hk, hv)                  # one of key / value broadcast over the other's heads
+    heads = hq
+    if hq != hk:
+        if hq == 1:                       # one query head broadcast over the kv heads
+            heads = hk
+        elif not (hk == 1 or (enable_gqa and hq % hk == 0)):
+            raise _Unmapped(None)  # torch refuses it: neither a broadcast nor GQA
+    try:
+        batch = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+    except RuntimeError:
+        raise _Unmapped(None) from None  # torch's own error, from its kernel
+    out_shape = (*batch, heads, q.shape[-2], v.shape[-1])
+    q4 = _as_4d_batch(q, batch, heads)
+    k4, v4 = _as_4d_batch(k, batch, hk), _as_4d_batch(v, batch, hk)
+    mask4 = None
+    if attn_mask is not None:
+        # broadcastable to the scores [*batch, heads, L, S], never widening them (as torch)
+        scores = torch.Size((*batch, heads, q.shape[-2], k.shape[-2]))
+        try:
+            widens = torch.broadcast_shapes(attn_mask.shape, scores) != scores
+        except RuntimeError:
+            widens = True
+        if widens:
+            raise _Unmapped(None)
+        mask = _pad(attn_mask, ndim)
+        mask4 = attn_mask if ndim == 4 else _as_4d_batch(mask, batch, mask.shape[-3])
+    seed = None
+    if dropout_p > 0.0 and not torch.compiler.is_compiling():
+        # from torch's generator, so that torch.manual_seed makes the call reproducible
+        seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64).item())
+    out = query.new_empty(out_shape)
+    out4 = out if len(batch) == 1 else out.view(-1, heads, *out_shape[-2:])
+    attention(q4, k4, v4, attn_mask=mask4, causal=is_causal, scale=scale, dropout_p=dropout_p, seed=seed,
+              enable_gqa=heads != hk, out=out4)
+    result_ndim = max(query.dim(), key.dim(), value.dim())
+    return out.view(out_shape[ndim - result_ndim:]) if result_ndim < ndim else out
+
+
+def _routed(query, key, value, *args, **kwargs):
+    """What torch.nn.functional.scaled_dot_product_attention is while an override is active."""
+    if isinstance(query, torch.Tensor) and query.device.type == "cpu":
+        return scaled_dot_product_attention(query, key, value, *args, **kwargs)
+    return _TORCH_SDPA(query, key, value, *args, **kwargs)
+
+
+_override_lock = threading.Lock()
+_override_depth = 0
+
+
+@contextlib.contextmanager
+def sdpa_override():
+    """Within the block, torch.nn.functional.scaled_dot_product_attention on CPU tensors
+    runs scaled_dot_product_attention above (other devices keep torch's). The switch is the
+    module attribute, so it is process-wide while any override is active (blocks nest, and
+    torch's function is restored when the last one exits), and code that bound torch's
+    function to a name of its own before the block keeps it."""
+    global _override_depth
+    with _override_lock:
+        if _override_depth == 0:
+            torch.nn.functional.scaled_dot_product_attention = _routed
+        _override_depth += 1
+    try:
+        yield
+    finally:
+        with _override_lock:
+            _override_depth -= 1
+            if _override_depth == 0:
+                torch.nn.functional.scaled_dot_product_attention = _TORCH_SDPA

