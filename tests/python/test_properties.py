@@ -7,8 +7,8 @@ never modified. Read-only inputs and non-contiguous / reversed input views must 
 
 The cases are generated from a fixed seed and run in one worker subprocess per array kind
 (so a crash fails the case in flight, which the worker names, instead of killing pytest);
-each case is then its own test item, so that the ones the Python layer gets wrong today
-can be marked xfail(strict=True) with the fix they need.
+each case is then its own test item, so that any the Python layer gets wrong can be marked
+xfail(strict=True) with the fix it needs (KNOWN_WRONG).
 """
 
 import json
@@ -368,22 +368,10 @@ def _results_for(kind):
 
 # Cases the Python layer gets wrong today, with the Python-side fix each needs (owned by
 # the argument-parsing work in python/attnkit/ops.py, _arrays.py, _torch_ops.py).
-_OVERFLOW = ("Python-side fix: a float argument given as an int too large for a float (10**400) raises "
-             "OverflowError from float(); convert with a check and raise ValueError naming the argument "
-             "(ops.check_scalars, sparse_mla._call)")
-_FLAG = ("Python-side fix: {flag} must be a bool; today a non-bool is taken by truthiness on the numpy path "
-         "(and by torch's schema, RuntimeError for str/list, on the torch path for enable_gqa): raise "
-         "ValueError naming {flag} on both paths (ops.attention / sage.sage_attention / _torch_ops)")
+# Empty since the merge of the Python argument-parsing fixes (integ): before them, 10**400
+# as scale/dropout_p/sm_scale raised OverflowError and non-bool enable_gqa/return_lse were
+# taken by truthiness (torch: RuntimeError from the op schema), 32 cases in all.
 KNOWN_WRONG = {}
-for _kind in KINDS:
-    for _cid in ("attention[scale=huge_int]", "attention[dropout_p=huge_int]", "sage_attention[scale=huge_int]",
-                 "sparse_mla_prefill_fwd[sm_scale=huge_int]", "sparse_mla_q8kv8_prefill_fwd[sm_scale=huge_int]"):
-        KNOWN_WRONG[(_kind, _cid)] = _OVERFLOW
-    for _label in ("str_yes", "list", "float"):
-        KNOWN_WRONG[(_kind, f"attention[enable_gqa={_label}]")] = _FLAG.format(flag="enable_gqa")
-    for _op in ("attention", "sage_attention"):
-        for _label in ("str_yes", "None", "list", "float"):
-            KNOWN_WRONG[(_kind, f"{_op}[return_lse={_label}]")] = _FLAG.format(flag="return_lse")
 
 
 def _case_params():
@@ -441,7 +429,7 @@ def _expected_error(kind, cid):
                                               ("pad_multiple", "float"), ("unpad_h", "neg"), ("unpad_h", "float"),
                                               ("pad_dim", "float"), ("attn_sink", "list")):
         return True
-    if arg in ("enable_gqa", "return_lse") and label in ("list", "float", "None"):
+    if arg in ("enable_gqa", "return_lse") and label in ("list", "float", "None", "int_1", "int_2"):
         return True  # non-bool flags
     if op == "sparse_mla_q8kv8_prefill_fwd" and arg == "topk_length" and label in ("neg", "too_long", "int_min"):
         return True
