@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "core/philox.h"
@@ -54,12 +55,17 @@ constexpr bool kDotProducts = false;
 // K and V prepared once per call for sage int8 mode (prepare_sage): K smoothed by its
 // per-head mean over tokens (softmax is invariant to it; lse is corrected), then int8 with
 // one scale per kKvTile keys, stored + 128 as the unsigned operand of vpdpbusd; on
-// avx512bf16 also V as bf16 pairs of consecutive keys for vdpbf16ps.
+// avx512bf16 also V as bf16 pairs of consecutive keys for vdpbf16ps. Key rows holding a
+// NaN or inf are left out of the mean and the tile scales and get zero codes; their logits
+// are computed exactly instead (fix_nonfinite_logits), so NaN and inf propagate as in
+// exact attention.
 struct QuantizedKeys {
-  const uint8_t* codes;     // [B][Hkv][Skv][4 * quads]
-  const float* scale;       // [B][Hkv][tiles]
-  const float* mean;        // [B][Hkv][D]
-  const uint32_t* v_pairs;  // [B][Hkv][ceil(Skv / 2)][dv_pad], or null
+  const uint8_t* codes;           // [B][Hkv][Skv][4 * quads]
+  const float* scale;             // [B][Hkv][tiles]
+  const float* mean;              // [B][Hkv][D]
+  const uint32_t* v_pairs;        // [B][Hkv][ceil(Skv / 2)][dv_pad], or null
+  const uint8_t* nonfinite;       // [B][Hkv][Skv]: 1 where the key row holds a NaN or inf
+  const uint8_t* tile_nonfinite;  // [B][Hkv][tiles]: 1 where any key of the tile does
   int64_t quads, tiles;
 };
 
@@ -404,9 +410,12 @@ class AttentionTask {
       float* o = w.o + r * dv_pad;
       std::memset(o, 0, sizeof(float) * dv_pad);
       float l = 0.0f;
-      for (int64_t k = 0; mx != -INFINITY && k < splits; ++k) {
+      // No split moved the max (no visible key, or only NaN scores, which never win the max):
+      // weigh against 0 as the online softmax does, so a NaN sum still reaches l.
+      const float m_ref = mx == -INFINITY ? 0.0f : mx;
+      for (int64_t k = 0; k < splits; ++k) {
         const float* slot = first + k * plan_.partial_floats;
-        const float factor = std::exp(slot[rows_pad * dv_pad + r] - mx);
+        const float factor = std::exp(slot[rows_pad * dv_pad + r] - m_ref);
         l += slot[rows_pad * (dv_pad + 1) + r] * factor;
         const vfloat f = vbroadcast(factor);
         for (int64_t d = 0; d < dv_pad; d += kLanes) vstore(o + d, vload(o + d) + vload(slot + r * dv_pad + d) * f);
@@ -458,6 +467,7 @@ class AttentionTask {
       const int64_t bc = end - j0 < kKvTile ? end - j0 : kKvTile;
       if (plan_.int8) {  // Sᵀ = K · Qᵀ on int8 codes, dequantised
         qk_int8(rb, j0, bc, w);
+        fix_nonfinite_logits(rb, j0, bc, w);
       } else if (plan_.bf16_dot) {  // Sᵀ = K · Qᵀ on bf16 pairs, then the scale
         qk_bf16(rb, krows, j0, bc, w);
       } else if (rb.mode->k_in_place) {  // Sᵀ = K · Qᵀ, a gemm per run of rows at one stride
@@ -695,7 +705,9 @@ class AttentionTask {
 
   // Sage int8: Q rows quantised to int8 with one scale per row (the softmax scale folded
   // in), written as Qᵀ quads of s8 for vpdpbusd (or as floats of the codes elsewhere);
-  // q_sum[r] = Σ codes corrects the +128 offset of the unsigned K codes.
+  // q_sum[r] = Σ codes corrects the +128 offset of the unsigned K codes. A row holding a
+  // NaN or inf keeps zero codes and gets q_scale NaN: fix_nonfinite_logits computes its
+  // logits exactly.
   void pack_q_int8(const RowBlock& rb, const Workspace& w) const {
     const int64_t ld = plan_.rows_pad;
     std::memset(w.qt, 0, sizeof(float) * plan_.d_pad * ld);
@@ -704,13 +716,23 @@ class AttentionTask {
       float* row = w.k;  // free until the first key tile
       load_row<T>(q_row(rb, r), p_.q_stride[3], p_.D, 1.0f, row);
       for (int64_t d = p_.D; d < plan_.d_pad; ++d) row[d] = 0.0f;
-      vfloat amax_lanes{};
+      // max |q| on the bits: for sign-cleared floats integer order is float order, and NaN
+      // and inf sort above every finite value.
+      vint amax_lanes{};
       for (int64_t d = 0; d < plan_.d_pad; d += kLanes) {
-        const vfloat a = (vfloat)((vint)vload(row + d) & 0x7FFFFFFF);
-        amax_lanes = a > amax_lanes ? a : amax_lanes;  // a NaN never wins
+        const vint a = (vint)vload(row + d) & 0x7FFFFFFF;
+        amax_lanes = a > amax_lanes ? a : amax_lanes;
       }
-      const float amax = hmax(amax_lanes);
-      const float step = amax > 0.0f ? amax / 127.0f : 1.0f;
+      int32_t amax_bits = 0;
+      for (int i = 0; i < kLanes; ++i) amax_bits = amax_lanes[i] > amax_bits ? amax_lanes[i] : amax_bits;
+      if (amax_bits >= 0x7F800000) {  // NaN or inf
+        w.q_scale[r] = NAN;
+        continue;
+      }
+      float amax;
+      std::memcpy(&amax, &amax_bits, sizeof amax);
+      // At least the smallest subnormal: amax / 127 may underflow to 0 for tiny rows.
+      const float step = amax > 0.0f ? std::fmax(amax / 127.0f, std::numeric_limits<float>::denorm_min()) : 1.0f;
       w.q_scale[r] = step * p_.scale;
       // codes = row / step rounded to nearest even (|codes| <= 127, so 1.5·2^23 rounds),
       // written over the row.
@@ -773,6 +795,31 @@ class AttentionTask {
       for (int64_t j = 0; j < bc; ++j) vstore(w.st + j * ld + r, vload(w.st + j * ld + r) * scale);
     }
 #endif
+  }
+
+  // Sᵀ[j][r] for the keys and query rows holding a NaN or inf (zero codes in qk_int8):
+  // scale·q·k in fp32 as exact attention computes it. Each such logit is ±inf or NaN, so
+  // the mean K was smoothed by does not matter for it: +inf or NaN poisons the row, -inf
+  // drops the key, as in exact attention.
+  void fix_nonfinite_logits(const RowBlock& rb, int64_t j0, int64_t bc, const Workspace& w) const {
+    const int64_t ld = plan_.rows_pad, head = rb.b * p_.Hkv + rb.kvh;
+    const bool any_key = kq_->tile_nonfinite[head * kq_->tiles + j0 / kKvTile];
+    const uint8_t* bad_key = kq_->nonfinite + head * p_.Skv + j0;
+    const E* kbase = static_cast<const E*>(p_.k) + rb.b * p_.k_stride[0] + rb.kvh * p_.k_stride[1];
+    for (int64_t r = 0; r < rb.rows; ++r) {
+      const bool bad_row = std::isnan(w.q_scale[r]);
+      if (!bad_row && !any_key) continue;
+      const E* q = q_row(rb, r);
+      for (int64_t j = 0; j < bc; ++j) {
+        if (!bad_row && !bad_key[j]) continue;
+        const E* k = kbase + (j0 + j) * p_.k_stride[2];
+        float s = 0.0f;
+        for (int64_t d = 0; d < p_.D; ++d) {
+          s += Elem<T>::load(q[d * p_.q_stride[3]]) * p_.scale * Elem<T>::load(k[d * p_.k_stride[3]]);
+        }
+        w.st[j * ld + r] = s;
+      }
+    }
   }
 
   // lse of the unsmoothed logits: subtracting the key mean shifted row (h, i) by q · mean.
@@ -1028,41 +1075,57 @@ void attention_fwd(const AttentionParams& p) {
 
 namespace {
 
-// Sage int8: one pass over K per (batch, kv head): the mean over tokens, then int8 codes of
-// (k - mean) with one scale (max |k - mean| / 127) per kKvTile keys; and, where P·V runs on
-// bf16 pairs, one pass over V packing consecutive keys into pairs.
+// Sage int8: one pass over K per (batch, kv head): the mean over its finite rows, then
+// int8 codes of (k - mean) with one scale (max |k - mean| / 127) per kKvTile keys; and,
+// where P·V runs on bf16 pairs, one pass over V packing consecutive keys into pairs. The
+// mean and k - mean are taken in double, so no finite key (up to float's max) overflows;
+// rows holding a NaN or inf are flagged and get zero codes (see QuantizedKeys).
 template <DType T>
 void prepare_sage(const AttentionParams& p, uint8_t* codes, float* scale, float* mean, uint32_t* v_pairs,
-                  int64_t quads, int64_t tiles, int64_t dv_pad) {
+                  uint8_t* nonfinite, uint8_t* tile_nonfinite, int64_t quads, int64_t tiles, int64_t dv_pad) {
   using E = typename Elem<T>::type;
   auto body = [&](int64_t head, int) {
     const int64_t b = head / p.Hkv, kvh = head % p.Hkv;
     const E* k = static_cast<const E*>(p.k) + b * p.k_stride[0] + kvh * p.k_stride[1];
     float* mu = mean + head * p.D;
+    uint8_t* bad = nonfinite + head * p.Skv;
     AlignedBuffer<float> tile(kKvTile * p.D > 2 * dv_pad ? kKvTile * p.D : 2 * dv_pad);
-    std::memset(mu, 0, sizeof(float) * p.D);
+    AlignedBuffer<double> sum(p.D);
+    std::memset(sum.data, 0, sizeof(double) * p.D);
+    int64_t finite_rows = 0;
     for (int64_t j = 0; j < p.Skv; ++j) {
       load_row<T>(k + j * p.k_stride[2], p.k_stride[3], p.D, 1.0f, tile.data);
-      for (int64_t d = 0; d < p.D; ++d) mu[d] += tile.data[d];
+      bool finite = true;
+      for (int64_t d = 0; d < p.D; ++d) finite = finite && std::isfinite(tile.data[d]);
+      bad[j] = !finite;
+      if (!finite) continue;
+      ++finite_rows;
+      for (int64_t d = 0; d < p.D; ++d) sum.data[d] += tile.data[d];
     }
-    for (int64_t d = 0; d < p.D; ++d) mu[d] /= static_cast<float>(p.Skv);
+    for (int64_t d = 0; d < p.D; ++d) mu[d] = finite_rows ? static_cast<float>(sum.data[d] / finite_rows) : 0.0f;
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t j0 = t * kKvTile, n = p.Skv - j0 < kKvTile ? p.Skv - j0 : kKvTile;
-      float amax = 0.0f;
+      double amax = 0.0;
+      tile_nonfinite[head * tiles + t] = 0;
       for (int64_t j = 0; j < n; ++j) {
         float* row = tile.data + j * p.D;
         load_row<T>(k + (j0 + j) * p.k_stride[2], p.k_stride[3], p.D, 1.0f, row);
+        if (bad[j0 + j]) {
+          tile_nonfinite[head * tiles + t] = 1;
+          continue;
+        }
         for (int64_t d = 0; d < p.D; ++d) {
-          row[d] -= mu[d];
-          amax = std::fabs(row[d]) > amax ? std::fabs(row[d]) : amax;
+          const double x = std::fabs(double{row[d]} - mu[d]);
+          amax = x > amax ? x : amax;
         }
       }
-      const float step = amax > 0.0f ? amax / 127.0f : 1.0f;
-      scale[head * tiles + t] = step;
+      const double step = amax > 0.0 ? amax / 127.0 : 1.0;
+      scale[head * tiles + t] = static_cast<float>(step);
       for (int64_t j = 0; j < n; ++j) {
         uint8_t* dst = codes + (head * p.Skv + j0 + j) * 4 * quads;
-        for (int64_t d = 0; d < 4 * quads; ++d) {
-          const float x = d < p.D ? tile.data[j * p.D + d] / step : 0.0f;
+        const float* row = tile.data + j * p.D;
+        for (int64_t d = 0; d < 4 * quads; ++d) {  // |x| <= 127
+          const double x = d < p.D && !bad[j0 + j] ? (double{row[d]} - mu[d]) / step : 0.0;
           dst[d] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(x)) + 128);
         }
       }
@@ -1092,8 +1155,11 @@ void run_sage_int8(const AttentionParams& p) {
   AlignedBuffer<uint8_t> codes(p.B * p.Hkv * p.Skv * 4 * quads);
   AlignedBuffer<float> scale(p.B * p.Hkv * tiles), mean(p.B * p.Hkv * p.D);
   AlignedBuffer<uint32_t> v_pairs(kDotProducts ? p.B * p.Hkv * ((p.Skv + 1) / 2) * dv_pad : 0);
-  prepare_sage<T>(p, codes.data, scale.data, mean.data, v_pairs.data, quads, tiles, dv_pad);
-  const QuantizedKeys kq{codes.data, scale.data, mean.data, v_pairs.data, quads, tiles};
+  AlignedBuffer<uint8_t> nonfinite(p.B * p.Hkv * p.Skv), tile_nonfinite(p.B * p.Hkv * tiles);
+  prepare_sage<T>(p, codes.data, scale.data, mean.data, v_pairs.data, nonfinite.data, tile_nonfinite.data, quads,
+                  tiles, dv_pad);
+  const QuantizedKeys kq{codes.data,      scale.data,          mean.data, v_pairs.data,
+                         nonfinite.data, tile_nonfinite.data, quads,     tiles};
   run_attention<T>(p, &kq);
 }
 

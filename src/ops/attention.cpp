@@ -64,7 +64,9 @@ AttentionParams detail::attention_params(const AttentionArgs& a) {
   detail::check_rank(a.k, "k", 4, layout_dims(layout, "Hkv", "Skv", "D"));
   detail::check_rank(a.v, "v", 4, layout_dims(layout, "Hkv", "Skv", "Dv"));
   detail::check_rank(a.out, "out", 4, layout_dims(layout, "Hq", "Sq", "Dv"));
-  for (const auto* t : {&a.q, &a.k, &a.v, &a.out}) detail::check_sizes_nonnegative(*t, "q, k, v and out");
+  for (const auto& [t, name] : {std::pair{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.out, "out"}}) {
+    detail::check_sizes_nonnegative(*t, name);
+  }
 
   // 2. Dtypes.
   if (!is_attention_dtype(a.q.dtype)) {
@@ -115,6 +117,10 @@ AttentionParams detail::attention_params(const AttentionArgs& a) {
   // 6. Scalars.
   const double scale = a.scale ? *a.scale : 1.0 / std::sqrt(static_cast<double>(D));
   if (!std::isfinite(scale)) fail("scale must be finite, got ", scale);
+  // And as the kernels use it, in float32 (1e39 is finite in double, inf in float32).
+  if (!std::isfinite(static_cast<float>(scale))) {
+    fail("scale must be finite, got ", scale, " (inf in float32, the precision the kernels use)");
+  }
   if (!(a.dropout_p >= 0.0 && a.dropout_p < 1.0)) fail("dropout_p must be in [0, 1), got ", a.dropout_p);
 
   // 7. Outputs: shapes, dtypes, no self-overlap, no aliasing with any input or each other.
@@ -147,10 +153,13 @@ AttentionParams detail::attention_params(const AttentionArgs& a) {
   p.k = a.k.data;
   p.v = a.v.data;
   p.out = a.out.data;
+  // An empty K/V (Skv = 0) is never read, and its data pointer may be null (an empty torch
+  // tensor's is): zero strides keep the kernels from forming offsets from it.
+  const bool no_keys = Skv == 0;
   for (int d = 0; d < 4; ++d) {
     p.q_stride[d] = q.stride[d];
-    p.k_stride[d] = k.stride[d];
-    p.v_stride[d] = v.stride[d];
+    p.k_stride[d] = no_keys ? 0 : k.stride[d];
+    p.v_stride[d] = no_keys ? 0 : v.stride[d];
     p.out_stride[d] = out.stride[d];
   }
   if (a.lse) {

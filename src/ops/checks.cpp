@@ -3,6 +3,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <utility>
+#include <vector>
 
 namespace attnkit::detail {
 
@@ -15,6 +19,15 @@ void check_rank(const TensorView& t, const char* name, int rank, const std::stri
 void check_sizes_nonnegative(const TensorView& t, const char* name) {
   for (int d = 0; d < t.rank; ++d) {
     if (t.shape[d] < 0) fail(name, " sizes must be non-negative, got ", t.shape_str());
+  }
+  int64_t count = 1;
+  for (int d = 0; d < t.rank; ++d) {
+    if (t.shape[d] == 0) return;  // empty, whatever the other sizes
+  }
+  for (int d = 0; d < t.rank; ++d) {
+    if (__builtin_mul_overflow(count, t.shape[d], &count)) {
+      fail(name, " of shape ", t.shape_str(), " has more elements than int64 counts (the count overflows int64)");
+    }
   }
 }
 
@@ -44,13 +57,82 @@ void broadcast_strides(const TensorView& t, const char* name, std::initializer_l
   }
 }
 
+namespace {
+
+std::string strides_str(const TensorView& t) {
+  std::string s = "[";
+  for (int d = 0; d < t.rank; ++d) s += (d ? ", " : "") + std::to_string(t.strides[d]);
+  return s + "]";
+}
+
+// Checks that every element offset (sums of index · stride) and its byte offset fit in
+// int64: Σ (size - 1) · |stride|. Sizes are non-negative and the view non-empty.
+void check_reach(const TensorView& t, const char* name) {
+  int64_t reach = 0, bytes;
+  for (int d = 0; d < t.rank; ++d) {
+    int64_t term;
+    if (t.strides[d] == INT64_MIN || __builtin_mul_overflow(t.shape[d] - 1, std::abs(t.strides[d]), &term) ||
+        __builtin_add_overflow(reach, term, &reach)) {
+      fail(name, " strides ", strides_str(t), " with shape ", t.shape_str(), " reach beyond int64 elements");
+    }
+  }
+  if (__builtin_mul_overflow(reach + 1, static_cast<int64_t>(dtype_size(t.dtype)), &bytes)) {
+    fail(name, " strides ", strides_str(t), " with shape ", t.shape_str(), " reach beyond int64 bytes");
+  }
+}
+
+// Views up to this many elements whose dims are not nested are checked element by element.
+constexpr int64_t kMaxEnumeratedElements = int64_t{1} << 22;
+
+}  // namespace
+
 void check_writable_layout(const TensorView& t, const char* name) {
   if (t.numel() == 0) return;  // nothing is written
+  check_reach(t, name);
+  struct Dim {
+    int64_t stride, size;
+  };
+  Dim dims[kMaxRank];
+  int n = 0;
   for (int d = 0; d < t.rank; ++d) {
-    if (t.shape[d] > 1 && t.strides[d] == 0) {
-      fail(name, " must not have overlapping elements, got stride 0 in dim ", d, " of shape ",
-           t.shape_str());
+    if (t.shape[d] <= 1) continue;
+    if (t.strides[d] == 0) {
+      fail(name, " must not have overlapping elements, got stride 0 in dim ", d, " of shape ", t.shape_str());
     }
+    dims[n++] = {std::abs(t.strides[d]), t.shape[d]};
+  }
+  // Nested: sorted by |stride|, each stride beyond the reach of all the smaller ones. Then
+  // the elements are distinct; every ordinary layout (permuted, sliced, reversed) is.
+  for (int i = 1; i < n; ++i) {  // insertion sort (std::sort on 6 elements trips GCC 12's -Warray-bounds)
+    for (int j = i; j > 0 && dims[j].stride < dims[j - 1].stride; --j) std::swap(dims[j], dims[j - 1]);
+  }
+  bool nested = true;
+  int64_t reach = 0;  // fits: bounded by check_reach
+  for (int i = 0; i < n && nested; ++i) {
+    nested = dims[i].stride > reach;
+    reach += (dims[i].size - 1) * dims[i].stride;
+  }
+  if (nested) return;
+  // Otherwise the offsets decide (shape [2, 3] with strides [3, 2] is not nested, yet distinct).
+  const int64_t count = t.numel();
+  if (count > kMaxEnumeratedElements) {
+    fail(name, " with strides ", strides_str(t), " and shape ", t.shape_str(),
+         " is not nested (each |stride| beyond the reach of the smaller ones) and too large (", count,
+         " elements) to prove its elements distinct; pass a contiguous ", name);
+  }
+  std::vector<int64_t> offsets(count);
+  for (int64_t i = 0; i < count; ++i) {
+    int64_t rest = i, offset = 0;
+    for (int d = t.rank - 1; d >= 0; --d) {
+      offset += rest % t.shape[d] * t.strides[d];
+      rest /= t.shape[d];
+    }
+    offsets[i] = offset;
+  }
+  std::sort(offsets.begin(), offsets.end());
+  if (std::adjacent_find(offsets.begin(), offsets.end()) != offsets.end()) {
+    fail(name, " must not have overlapping elements, got strides ", strides_str(t), " with shape ", t.shape_str(),
+         " (two indices address the same element)");
   }
 }
 
@@ -58,8 +140,10 @@ namespace {
 struct Span {
   uintptr_t begin, end;  // [begin, end) in bytes; empty when begin == end
 };
-Span span_of(const TensorView& t) {
-  if (t.numel() == 0 || t.data == nullptr) return {0, 0};
+Span span_of(const TensorView& t, const char* name) {
+  if (t.numel() == 0) return {0, 0};
+  check_reach(t, name);  // so that none of the sums below overflows
+  if (t.data == nullptr) return {0, 0};
   int64_t lo = 0, hi = 0;
   for (int d = 0; d < t.rank; ++d) {
     const int64_t reach = (t.shape[d] - 1) * t.strides[d];
@@ -72,7 +156,7 @@ Span span_of(const TensorView& t) {
 }  // namespace
 
 void check_no_overlap(const TensorView& a, const char* a_name, const TensorView& b, const char* b_name) {
-  const Span x = span_of(a), y = span_of(b);
+  const Span x = span_of(a, a_name), y = span_of(b, b_name);
   if (x.begin < x.end && y.begin < y.end && x.begin < y.end && y.begin < x.end) {
     fail(a_name, " must not alias ", b_name, " (their memory overlaps)");
   }

@@ -21,6 +21,7 @@ template <class... Parts>
 
 // t must have `rank` dims; `dims` describes them, e.g. "[B, Hq, Sq, D] (layout BHSD)".
 void check_rank(const TensorView& t, const char* name, int rank, const std::string& dims);
+// Sizes >= 0 and an element count that fits in int64.
 void check_sizes_nonnegative(const TensorView& t, const char* name);
 
 // Strides that read t as if broadcast to `target` (numpy rules: dims aligned at the right,
@@ -28,7 +29,8 @@ void check_sizes_nonnegative(const TensorView& t, const char* name);
 void broadcast_strides(const TensorView& t, const char* name, std::initializer_list<int64_t> target,
                        const char* target_desc, int64_t* strides_out);
 
-// An output must not write any element twice: no zero stride over a dim of size > 1.
+// An output must not write any element twice: no two indices may address the same element
+// (checked exactly), and no offset may overflow int64.
 void check_writable_layout(const TensorView& t, const char* name);
 
 // The memory spans of a and b must not overlap (a conservative check on address ranges).

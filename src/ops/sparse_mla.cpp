@@ -28,7 +28,9 @@ float read_scale(const std::optional<TensorView>& t, const char* name, bool requ
     fail(name, " must be a float32 tensor with one element, got ", dtype_name(t->dtype), " of shape ",
          t->shape_str());
   }
-  return *static_cast<const float*>(t->data);
+  const float value = *static_cast<const float*>(t->data);
+  if (!std::isfinite(value)) fail(name, " must be finite, got ", value);
+  return value;
 }
 
 void check_output(const TensorView& t, const char* name, DType dtype, std::initializer_list<int64_t> shape) {
@@ -78,7 +80,15 @@ void sparse_mla_prefill_fwd(const SparseMlaArgs& a) {
   const bool fp8 = dtype == DType::float8_e4m3fn;
   const float q_scale = read_scale(a.q_scale, "q_scale", fp8, dtype);
   const float kv_scale = read_scale(a.kv_scale, "kv_scale", fp8, dtype);
+  // Checked as the kernel uses it, in float32 (1e39 is finite in double, inf in float32),
+  // and so is the logit scale it folds into Q.
   if (!std::isfinite(a.sm_scale)) fail("sm_scale must be finite, got ", a.sm_scale);
+  if (!std::isfinite(static_cast<float>(a.sm_scale))) {
+    fail("sm_scale must be finite, got ", a.sm_scale, " (inf in float32, the precision the kernel uses)");
+  }
+  if (!std::isfinite(static_cast<float>(a.sm_scale) * q_scale * kv_scale)) {
+    fail("sm_scale * q_scale * kv_scale must be finite in float32, got ", a.sm_scale, " * ", q_scale, " * ", kv_scale);
+  }
   if (a.attn_sink) {
     const TensorView& s = *a.attn_sink;
     if (s.rank != 1 || s.shape[0] != h_q || s.dtype != DType::float32) {

@@ -465,6 +465,30 @@ ISA_TEST(OnlineSoftmax, TwoTilesEqualOneSoftmax) {
   EXPECT_EQ(t[5 * ld + 1], 0.0f);
 }
 
+// A NaN score never wins the running max: the max stays that of the other scores (so exp2
+// never sees s - max > 0, whose exponent would overflow on avx2/generic), and the row's sum
+// is NaN. Scores 3, NaN, 0.5 down the keys, in both layouts.
+ISA_TEST(Softmax, NanScoreNeverWinsTheMax) {
+  SKIP_UNLESS_RUNNABLE();
+  const float keys[3] = {3.0f, NAN, 0.5f};
+  std::vector<float> st(3 * kLanes), m(kLanes, -INFINITY), l(kLanes, 0.0f), alpha(kLanes);
+  for (int j = 0; j < 3; ++j)
+    for (int r = 0; r < kLanes; ++r) st[j * kLanes + r] = keys[j];
+  online_softmax_tile(st.data(), 3, kLanes, kLanes, m.data(), l.data(), alpha.data());
+  for (int r = 0; r < kLanes; ++r) {
+    EXPECT_EQ(m[r], 3.0f) << "row " << r;
+    EXPECT_TRUE(std::isnan(l[r])) << "row " << r;
+    EXPECT_EQ(st[r], 1.0f) << "row " << r;  // e^(3 - 3)
+  }
+  std::vector<float> s(kLanes, -INFINITY);
+  for (int j = 0; j < 3; ++j) s[j] = keys[j];
+  float mr = -INFINITY, lr = 0.0f, ar;
+  online_softmax_rows(s.data(), kLanes, kLanes, 1, &mr, &lr, &ar);
+  EXPECT_EQ(mr, 3.0f);
+  EXPECT_TRUE(std::isnan(lr));
+  EXPECT_EQ(s[0], 1.0f);
+}
+
 // Row-major scores for online_softmax_rows: rows × two tiles of kKeys keys, row r at r * ld
 // (tile 2 at + kKeys), with the cases the single-compare shortcut must get right.
 constexpr int64_t kSoftmaxRows = 9, kKeys = 2 * kLanes, kSoftmaxLd = 2 * kKeys + 3;

@@ -621,6 +621,24 @@ def test_general_argument_errors(rng):
     c.check(c.run())
 
 
+@pytest.mark.parametrize("sm_scale", [float("nan"), float("inf"), 1e39])
+def test_sm_scale_must_be_finite_in_float32(rng, sm_scale):
+    """1e39 is finite in double but inf in the kernel's float32."""
+    c = _small(rng)
+    with pytest.raises(ValueError, match="sm_scale must be finite, got"):
+        general()(c.q, c.kv, c.indices, sm_scale, D_V)
+
+
+@pytest.mark.parametrize("name", ["q_scale", "kv_scale"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_scales_must_be_finite(rng, name, value):
+    c = _small(rng, FP8)
+    with pytest.raises(ValueError, match=f"{name} must be finite, got"):
+        c.run(**{name: np.array([value], np.float32)})
+    with pytest.raises(ValueError, match="sm_scale \\* q_scale \\* kv_scale must be finite"):
+        c.run(q_scale=np.array([1e30], np.float32), kv_scale=np.array([1e30], np.float32))
+
+
 # --- the strict (SGLang) op ----------------------------------------------------------------
 
 class StrictCase(Case):

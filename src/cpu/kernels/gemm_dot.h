@@ -11,6 +11,7 @@
 #if defined(ATTNKIT_ISA_avx512bf16)
 
 #include <cstdint>
+#include <cstring>
 
 #include "cpu/kernels/simd.h"
 #include "cpu/kernels/tiling.h"
@@ -52,7 +53,11 @@ void gemm_dot_tile(int64_t k, const uint32_t* a, int64_t lda, int64_t a_step, co
     for (int j = 0; j < NV; ++j) bv[j] = _mm512_loadu_si512(b + p * ldb + j * 16);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
-      const __m512i ai = _mm512_set1_epi32(static_cast<int>(a[i * lda + p * a_step]));
+      // memcpy: A may be bf16 read in place from an odd element (2-byte aligned only); it
+      // compiles to the same broadcast load.
+      uint32_t a_ip;
+      std::memcpy(&a_ip, a + i * lda + p * a_step, sizeof a_ip);
+      const __m512i ai = _mm512_set1_epi32(static_cast<int>(a_ip));
 #pragma GCC unroll 8
       for (int j = 0; j < NV; ++j) acc[i][j] = Dot::madd(acc[i][j], ai, bv[j]);
     }

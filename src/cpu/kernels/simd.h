@@ -49,8 +49,10 @@ inline vfloat vbroadcast(float x) {
   return v;
 #endif
 }
-// NaN-propagating in the first argument is not needed: a NaN score poisons its row via exp2.
-inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
+// The running max a against new values b: a NaN in b never wins (a NaN score poisons its
+// row through exp2 instead), so the max stays the max of the other scores and exp2 only
+// ever sees s - max <= 0 or NaN. (a > b ? a : b let a NaN in b through and reset the max.)
+inline vfloat vmax(vfloat a, vfloat b) { return b > a ? b : a; }
 inline float hmax(vfloat v) {
   float m = v[0];
   for (int i = 1; i < kLanes; ++i) m = v[i] > m ? v[i] : m;
@@ -229,7 +231,9 @@ inline vfloat vexp2(vfloat x) {
   const vfloat n = (vfloat)_mm512_maskz_roundscale_ps(0xFFFF, (__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const vfloat f = x - n;
 #else
-  const vfloat clamped = x < -126.0f ? vbroadcast(-126.0f) : x;
+  // NaN (and -inf) clamp to -126 too, so that n always fits the exponent field: the result
+  // is then picked by the selects below, never from an out-of-range integer conversion.
+  const vfloat clamped = x >= -126.0f ? x : vbroadcast(-126.0f);
   const vfloat n = (clamped + 12582912.0f) - 12582912.0f;  // 1.5 * 2^23 rounds to nearest
   const vfloat f = clamped - n;
 #endif
