@@ -2,6 +2,7 @@
 #pragma once
 
 #include "attnkit/attention.h"
+#include "attnkit/attention_backward.h"
 #include "attnkit/dtype.h"
 #include "attnkit/error.h"
 #include "attnkit/merge.h"

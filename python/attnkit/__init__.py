@@ -6,6 +6,7 @@ torch tensors, taken without copies; outputs come back in the input's kind.
 """
 
 from . import _C
+from .backward import attention_backward
 from .merge import merge_attention_states
 from .ops import attention
 from .sage import sage_attention
@@ -50,6 +51,6 @@ def set_isa(name: str) -> None:
     _C.set_isa(name)
 
 
-__all__ = ["attention", "varlen_attention", "paged_attention", "append_kv_cache", "merge_attention_states",
+__all__ = ["attention", "attention_backward", "varlen_attention", "paged_attention", "append_kv_cache", "merge_attention_states",
            "sage_attention", "sparse_mla_prefill_fwd", "sparse_mla_q8kv8_prefill_fwd", "pad_heads",
            "unpad_heads", "set_num_threads", "get_num_threads", "get_isa", "supported_isas", "set_isa"]

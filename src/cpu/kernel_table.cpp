@@ -9,6 +9,6 @@
 namespace attnkit::cpu::ATTNKIT_ISA {
 
 const KernelTable kernel_table = {ATTNKIT_STR(ATTNKIT_ISA), &attention_fwd, &sparse_mla_fwd, &sage_int8_fwd,
-                                   &merge_states};
+                                   &merge_states, &attention_bwd};
 
 }  // namespace attnkit::cpu::ATTNKIT_ISA

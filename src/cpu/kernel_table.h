@@ -9,6 +9,7 @@ namespace attnkit {
 struct AttentionParams;
 struct SparseMlaParams;
 struct MergeStatesParams;
+struct AttentionBackwardParams;
 }
 
 namespace attnkit::cpu {
@@ -19,6 +20,7 @@ struct KernelTable {
   void (*sparse_mla_fwd)(const SparseMlaParams& params);
   void (*sage_int8_fwd)(const AttentionParams& params);
   void (*merge_states)(const MergeStatesParams& params);
+  void (*attention_bwd)(const AttentionBackwardParams& params);
 };
 
 // Loops the benchmark uses to measure the machine (src/cpu/machine_probe.cpp).

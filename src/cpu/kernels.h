@@ -10,5 +10,6 @@ void attention_fwd(const AttentionParams& params);
 void sparse_mla_fwd(const SparseMlaParams& params);
 void sage_int8_fwd(const AttentionParams& params);
 void merge_states(const MergeStatesParams& params);
+void attention_bwd(const AttentionBackwardParams& params);
 
 }  // namespace attnkit::cpu::ATTNKIT_ISA
