@@ -18,6 +18,7 @@ struct AttentionBackwardArgs {
   TensorView lse;                  // the forward's float32 lse [B, Hq, Sq]
   TensorView dout;                 // gradient of out: out's shape and dtype, any strides
   TensorView dq, dk, dv;           // caller-owned, q's dtype, the shapes of q, k and v
+  std::optional<TensorView> dlse;  // gradient of lse, float32 [B, Hq, Sq], any strides; none = 0
   // The forward's other arguments, unchanged (see AttentionArgs).
   std::optional<TensorView> attn_mask;
   Causal causal = Causal::none;

@@ -88,7 +88,8 @@ void attention(const InArray& q, const InArray& k, const InArray& v, const OutAr
 
 void attention_backward(const InArray& q, const InArray& k, const InArray& v, const InArray& out,
                         const InArray& lse, const InArray& dout, const OutArray& dq, const OutArray& dk,
-                        const OutArray& dv, const std::optional<InArray>& attn_mask, int causal,
+                        const OutArray& dv, const std::optional<InArray>& dlse,
+                        const std::optional<InArray>& attn_mask, int causal,
                         std::optional<double> scale, double dropout_p, std::optional<uint64_t> seed,
                         bool enable_gqa, const std::string& layout) {
   attnkit::AttentionBackwardArgs args;
@@ -101,6 +102,7 @@ void attention_backward(const InArray& q, const InArray& k, const InArray& v, co
   args.dq = to_view(dq, "dq");
   args.dk = to_view(dk, "dk");
   args.dv = to_view(dv, "dv");
+  args.dlse = to_view(dlse, "dlse");
   args.attn_mask = to_view(attn_mask, "attn_mask");
   args.causal = parse_causal(causal);
   args.scale = scale;
@@ -260,7 +262,7 @@ NB_MODULE(_C, m) {
         "attn_mask"_a.none(), "causal"_a, "scale"_a.none(), "dropout_p"_a, "seed"_a.none(),
         "enable_gqa"_a, "layout"_a);
   m.def("attention_backward", &attention_backward, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "dout"_a, "dq"_a,
-        "dk"_a, "dv"_a, "attn_mask"_a.none(), "causal"_a, "scale"_a.none(), "dropout_p"_a, "seed"_a.none(),
+        "dk"_a, "dv"_a, "dlse"_a.none(), "attn_mask"_a.none(), "causal"_a, "scale"_a.none(), "dropout_p"_a, "seed"_a.none(),
         "enable_gqa"_a, "layout"_a);
   m.def("cast", &cast, "src"_a, "dst"_a);
   m.def("sage_attention", &sage_attention, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(), "causal"_a,

@@ -160,6 +160,8 @@ class BackwardTask {
       const float* g = w.dout + r * dvp;
       float delta = 0.0f;
       for (int64_t d = 0; d < p_.Dv; ++d) delta += g[d] * w.o_row[d];
+      // lse's own gradient adds dlse·P to dS: the same as lowering D by dlse.
+      if (bp_.dlse) delta -= bp_.dlse[b * bp_.dlse_stride[0] + h * bp_.dlse_stride[1] + (i0 + r) * bp_.dlse_stride[2]];
       w.delta[r] = delta;
       w.lse[r] = p_.lse[b * p_.lse_stride[0] + h * p_.lse_stride[1] + (i0 + r) * p_.lse_stride[2]];
     }

@@ -46,6 +46,13 @@ void attention_backward(const AttentionBackwardArgs& a) {
   check_like(a.dq, "dq", a.q, "q");
   check_like(a.dk, "dk", a.k, "k");
   check_like(a.dv, "dv", a.v, "v");
+  if (a.dlse) {
+    const TensorView& l = *a.dlse;
+    if (l.rank != 3 || l.shape[0] != p.fwd.B || l.shape[1] != p.fwd.Hq || l.shape[2] != p.fwd.Sq) {
+      fail("dlse must have lse's shape ", a.lse.shape_str(), ", got ", l.shape_str());
+    }
+    if (l.dtype != DType::float32) fail("dlse must be float32, got ", dtype_name(l.dtype));
+  }
   const std::pair<const TensorView*, const char*> grads[] = {{&a.dq, "dq"}, {&a.dk, "dk"}, {&a.dv, "dv"}};
   for (const auto& [g, name] : grads) detail::check_writable_layout(*g, name);
   const std::pair<const TensorView*, const char*> inputs[] = {
@@ -53,6 +60,7 @@ void attention_backward(const AttentionBackwardArgs& a) {
   for (const auto& [g, name] : grads) {
     for (const auto& [input, input_name] : inputs) detail::check_no_overlap(*g, name, *input, input_name);
     if (a.attn_mask) detail::check_no_overlap(*g, name, *a.attn_mask, "attn_mask");
+    if (a.dlse) detail::check_no_overlap(*g, name, *a.dlse, "dlse");
   }
   detail::check_no_overlap(a.dq, "dq", a.dk, "dk");
   detail::check_no_overlap(a.dq, "dq", a.dv, "dv");
@@ -63,6 +71,10 @@ void attention_backward(const AttentionBackwardArgs& a) {
   bhsd_strides(a.dq, a.layout, p.dq_stride);
   bhsd_strides(a.dk, a.layout, p.dk_stride);
   bhsd_strides(a.dv, a.layout, p.dv_stride);
+  if (a.dlse) {
+    p.dlse = static_cast<const float*>(a.dlse->data);
+    for (int d = 0; d < 3; ++d) p.dlse_stride[d] = a.dlse->strides[d];
+  }
   const AttentionParams& f = p.fwd;
   if (f.B == 0 || (f.Hq == 0 && f.Hkv == 0)) return;  // nothing to write
   detail::kernels().attention_bwd(p);

@@ -16,6 +16,8 @@ struct AttentionBackwardParams {
   void* dk;                  // [B, Hkv, Skv, D]
   void* dv;                  // [B, Hkv, Skv, Dv]
   int64_t dout_stride[4], dq_stride[4], dk_stride[4], dv_stride[4];  // BHSD order
+  const float* dlse = nullptr;  // [B, Hq, Sq] or null (zero)
+  int64_t dlse_stride[3];
 };
 
 }  // namespace attnkit
