@@ -107,6 +107,8 @@ def test_random_config(dtype, seed):
               enable_gqa=cfg["Hq"] != cfg["Hkv"], layout=cfg["layout"])
     out, lse = forward(q, k, v, **kw)
     dout = randn(rng, out.shape, dtype)
+    if cfg["strided"]:
+        dout = strided_like(dout, rng)[0]
     inputs = (q, k, v, out, lse, dout, mask)
     before = snapshot(*inputs)
     dq, dk, dv = poisoned_grads(q, k, v, rng if cfg["strided"] else None)
