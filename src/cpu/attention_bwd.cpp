@@ -5,8 +5,9 @@
 // dK += dSᵀ·Q·scale and a partial dQ += dS·K in the task's own float32 buffer. The partial
 // dQs are summed in split order afterwards, so the gradients are bit-identical for any
 // thread count (the split depends on the shapes only). Dropout regenerates the forward's
-// keep mask (detail::dropout_bits per 4 keys). All products run on the shared gemm tiles.
-// Compiled once per ISA.
+// keep mask (detail::dropout_bits per 4 keys). All products run on the shared gemm tiles;
+// for bf16 inputs on avx512bf16, S and dP (products of the bf16 inputs, so exact in pairs)
+// run on bf16 pairs (vdpbf16ps). Compiled once per ISA.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -18,6 +19,7 @@
 #include "cpu/kernels.h"
 #include "cpu/kernels/convert.h"
 #include "cpu/kernels/gemm.h"
+#include "cpu/kernels/gemm_dot.h"
 #include "cpu/kernels/softmax.h"
 #include "cpu/kernels/workspace.h"
 #include "ops/attention_backward_params.h"
@@ -28,6 +30,11 @@ namespace {
 constexpr int64_t kKeyBlock = 64;  // keys per block: a multiple of kLanes and of 4 (dropout draws)
 constexpr int64_t kRowBlock = 64;  // query rows per block
 constexpr int64_t kMinTasks = 16;  // fewer (batch, kv head) pairs than this: split the keys
+#if defined(ATTNKIT_ISA_avx512bf16)
+constexpr bool kDotProducts = true;  // vdpbf16ps
+#else
+constexpr bool kDotProducts = false;
+#endif
 
 // How the keys split into tasks, and the per-thread workspace.
 struct BackwardPlan {
@@ -46,14 +53,16 @@ struct BackwardPlan {
     workspace_floats = 2 * kKeyBlock * d_pad          // K rows, Kᵀ
                        + 2 * kKeyBlock * dv_pad       // V rows, Vᵀ
                        + kKeyBlock * (d_pad + dv_pad)  // dK, dV accumulators
-                       + kRowBlock * (d_pad + dv_pad)  // Q (scaled), dO
+                       + kRowBlock * (d_pad + dv_pad)  // Q, dO
                        + 3 * kRowBlock * kKeyBlock     // P, dP then dS, dropped P
-                       + 2 * kRowBlock + dv_pad;       // lse, D, one O row
+                       + 2 * kRowBlock + dv_pad        // lse, D, one O row
+                       + (kKeyBlock + kRowBlock) * (d_pad + dv_pad);  // bf16 pairs of Kᵀ, Vᵀ, Q, dO
   }
 };
 
 struct BackwardWorkspace {
   float *k, *kt, *v, *vt, *dk, *dv, *q, *dout, *p, *ds, *pd, *lse, *delta, *o_row;
+  uint32_t *kt_pairs, *vt_pairs, *q_pairs, *dout_pairs;  // bf16 pairs along D (Dv), avx512bf16
   BackwardWorkspace(float* base, const BackwardPlan& plan) {
     const int64_t dp = plan.d_pad, dvp = plan.dv_pad;
     k = base, kt = k + kKeyBlock * dp, v = kt + kKeyBlock * dp, vt = v + kKeyBlock * dvp;
@@ -61,12 +70,15 @@ struct BackwardWorkspace {
     q = dv + kKeyBlock * dvp, dout = q + kRowBlock * dp;
     p = dout + kRowBlock * dvp, ds = p + kRowBlock * kKeyBlock, pd = ds + kRowBlock * kKeyBlock;
     lse = pd + kRowBlock * kKeyBlock, delta = lse + kRowBlock, o_row = delta + kRowBlock;
+    kt_pairs = reinterpret_cast<uint32_t*>(o_row + dvp), vt_pairs = kt_pairs + kKeyBlock * dp;
+    q_pairs = vt_pairs + kKeyBlock * dvp, dout_pairs = q_pairs + kRowBlock * dp;
   }
 };
 
 template <DType T>
 class BackwardTask {
   using E = typename Elem<T>::type;
+  static constexpr bool kPairs = kDotProducts && T == DType::bfloat16;  // S and dP on bf16 pairs
 
  public:
   BackwardTask(const AttentionBackwardParams& bp, const BackwardPlan& plan, float* dq_partial)
@@ -91,8 +103,8 @@ class BackwardTask {
           block(b, h, i0, std::min(kRowBlock, p_.Sq - i0), j0, bc, dq_part + ((h - kvh * p_.group) * p_.Sq + i0) * plan_.d_pad, w);
         }
       }
-      store_rows(w.dk, plan_.d_pad, p_.D, static_cast<E*>(bp_.dk), bp_.dk_stride, b, kvh, j0, bc);
-      store_rows(w.dv, plan_.dv_pad, p_.Dv, static_cast<E*>(bp_.dv), bp_.dv_stride, b, kvh, j0, bc);
+      store_rows(w.dk, plan_.d_pad, p_.D, p_.scale, static_cast<E*>(bp_.dk), bp_.dk_stride, b, kvh, j0, bc);
+      store_rows(w.dv, plan_.dv_pad, p_.Dv, 1.0f, static_cast<E*>(bp_.dv), bp_.dv_stride, b, kvh, j0, bc);
     }
   }
 
@@ -126,6 +138,39 @@ class BackwardTask {
     pack_rows(v + j0 * p_.v_stride[2], p_.v_stride[2], p_.v_stride[3], bc, kKeyBlock, p_.Dv, plan_.dv_pad, 1.0f, w.v);
     transpose_matrix(w.k, plan_.d_pad, kKeyBlock, plan_.d_pad, w.kt, kKeyBlock);
     transpose_matrix(w.v, plan_.dv_pad, kKeyBlock, plan_.dv_pad, w.vt, kKeyBlock);
+    if constexpr (kPairs) {  // exact: the values are bf16 already
+      pair_rows_bf16(w.kt, p_.D, kKeyBlock, w.kt_pairs);
+      pair_rows_bf16(w.vt, p_.Dv, kKeyBlock, w.vt_pairs);
+    }
+  }
+
+  // c[m][kKeyBlock] = a·b over bf16 pairs: a [m][pairs], b [pairs][kKeyBlock] (kPairs only).
+  static void gemm_pairs(int64_t m, int64_t pairs, const uint32_t* a, const uint32_t* b, float* c) {
+#if defined(ATTNKIT_ISA_avx512bf16)
+    gemm_bf16<kWideRows, kWideVecs>(m, kKeyBlock, pairs, a, pairs, 1, b, kKeyBlock, c, kKeyBlock, false);
+#else
+    (void)m, (void)pairs, (void)a, (void)b, (void)c;
+#endif
+  }
+
+  // n bf16 rows as pairs along the row, (n_cols + 1) / 2 per row: the bits as stored where
+  // the row is contiguous and even, else element by element (an odd last column pairs with 0).
+  static void pair_rows(const E* src, int64_t row_stride, int64_t col_stride, int64_t n, int64_t n_cols,
+                        uint32_t* dst) {
+    const int64_t pairs = (n_cols + 1) / 2;
+    for (int64_t r = 0; r < n; ++r) {
+      const E* row = src + r * row_stride;
+      uint32_t* out = dst + r * pairs;
+      if (col_stride == 1 && n_cols % 2 == 0) {
+        std::memcpy(out, row, sizeof(uint32_t) * pairs);
+        continue;
+      }
+      for (int64_t c = 0; c < pairs; ++c) {
+        const uint32_t lo = row[2 * c * col_stride];
+        const uint32_t hi = 2 * c + 1 < n_cols ? row[(2 * c + 1) * col_stride] : 0u;
+        out[c] = lo | hi << 16;
+      }
+    }
   }
 
   // n rows (row_stride apart, elements col_stride apart) of `cols` elements times scale into
@@ -139,11 +184,11 @@ class BackwardTask {
     if (rows > n) std::memset(dst + n * ld, 0, sizeof(float) * (rows - n) * ld);
   }
 
-  // Accumulated fp32 rows [n][ld] stored to rows j0 .. j0+n-1 of a dK or dV gradient.
-  void store_rows(const float* src, int64_t ld, int64_t cols, E* dst, const int64_t* stride, int64_t b, int64_t kvh,
-                  int64_t j0, int64_t n) const {
+  // Accumulated fp32 rows [n][ld] times scale stored to rows j0 .. j0+n-1 of a dK or dV gradient.
+  void store_rows(const float* src, int64_t ld, int64_t cols, float scale, E* dst, const int64_t* stride, int64_t b,
+                  int64_t kvh, int64_t j0, int64_t n) const {
     E* base = dst + b * stride[0] + kvh * stride[1];
-    for (int64_t j = 0; j < n; ++j) store_row<T>(src + j * ld, 1.0f, cols, base + (j0 + j) * stride[2], stride[3]);
+    for (int64_t j = 0; j < n; ++j) store_row<T>(src + j * ld, scale, cols, base + (j0 + j) * stride[2], stride[3]);
   }
 
   // One query block (head h, rows i0 .. i0+nr-1) against one key block (keys j0 .. j0+bc-1).
@@ -153,7 +198,7 @@ class BackwardTask {
     const E* q = static_cast<const E*>(p_.q) + b * p_.q_stride[0] + h * p_.q_stride[1] + i0 * p_.q_stride[2];
     const E* dout = static_cast<const E*>(bp_.dout) + b * bp_.dout_stride[0] + h * bp_.dout_stride[1] + i0 * bp_.dout_stride[2];
     const E* out = static_cast<const E*>(p_.out) + b * p_.out_stride[0] + h * p_.out_stride[1] + i0 * p_.out_stride[2];
-    pack_rows(q, p_.q_stride[2], p_.q_stride[3], nr, nr, p_.D, dp, p_.scale, w.q);
+    pack_rows(q, p_.q_stride[2], p_.q_stride[3], nr, nr, p_.D, dp, 1.0f, w.q);
     pack_rows(dout, bp_.dout_stride[2], bp_.dout_stride[3], nr, nr, p_.Dv, dvp, 1.0f, w.dout);
     for (int64_t r = 0; r < nr; ++r) {
       load_row<T>(out + r * p_.out_stride[2], p_.out_stride[3], p_.Dv, 1.0f, w.o_row);
@@ -166,11 +211,19 @@ class BackwardTask {
       w.lse[r] = p_.lse[b * p_.lse_stride[0] + h * p_.lse_stride[1] + (i0 + r) * p_.lse_stride[2]];
     }
 
-    // S = (Q·scale)·Kᵀ, then P = exp(S - lse): 0 where masked, past the block, or in rows
+    // S = Q·Kᵀ·scale, then P = exp(S - lse): 0 where masked, past the block, or in rows
     // that saw no key (lse = -inf; their output was 0).
-    gemm<kWideRows, kWideVecs>(nr, kKeyBlock, p_.D, w.q, dp, 1, w.kt, kKeyBlock, w.p, kKeyBlock, false);
+    const int64_t d_pairs = (p_.D + 1) / 2, dv_pairs = (p_.Dv + 1) / 2;
+    if constexpr (kPairs) {
+      pair_rows(q, p_.q_stride[2], p_.q_stride[3], nr, p_.D, w.q_pairs);
+      gemm_pairs(nr, d_pairs, w.q_pairs, w.kt_pairs, w.p);
+    } else {
+      gemm<kWideRows, kWideVecs>(nr, kKeyBlock, p_.D, w.q, dp, 1, w.kt, kKeyBlock, w.p, kKeyBlock, false);
+    }
+    const vfloat scale = vbroadcast(p_.scale);
     for (int64_t r = 0; r < nr; ++r) {
       float* s = w.p + r * kKeyBlock;
+      for (int64_t jj = 0; jj < kKeyBlock; jj += kLanes) vstore(s + jj, vload(s + jj) * scale);
       const int64_t i = i0 + r;
       int64_t visible = bc;
       if (p_.causal) visible = std::clamp<int64_t>(i + p_.causal_offset - j0 + 1, 0, bc);
@@ -188,7 +241,12 @@ class BackwardTask {
     }
 
     // dP = dO·Vᵀ; with dropout, the kept P and dP scaled by 1/(1-p), dropped ones zero.
-    gemm<kWideRows, kWideVecs>(nr, kKeyBlock, p_.Dv, w.dout, dvp, 1, w.vt, kKeyBlock, w.ds, kKeyBlock, false);
+    if constexpr (kPairs) {
+      pair_rows(dout, bp_.dout_stride[2], bp_.dout_stride[3], nr, p_.Dv, w.dout_pairs);
+      gemm_pairs(nr, dv_pairs, w.dout_pairs, w.vt_pairs, w.ds);
+    } else {
+      gemm<kWideRows, kWideVecs>(nr, kKeyBlock, p_.Dv, w.dout, dvp, 1, w.vt, kKeyBlock, w.ds, kKeyBlock, false);
+    }
     const float* p_dropped = w.p;
     if (p_.dropout_p > 0.0f) {
       apply_dropout(b, h, i0, nr, j0, w);
@@ -202,7 +260,7 @@ class BackwardTask {
       for (int64_t jj = 0; jj < kKeyBlock; jj += kLanes) vstore(ds + jj, vload(pr + jj) * (vload(ds + jj) - delta));
     }
 
-    // dV += P_droppedᵀ·dO, dK += dSᵀ·(Q·scale), dQ += dS·K (times scale in reduce_dq).
+    // dV += P_droppedᵀ·dO, dK += dSᵀ·Q and dQ += dS·K (both times scale when stored).
     gemm<kTallRows, kTallVecs>(bc, dvp, nr, p_dropped, 1, kKeyBlock, w.dout, dvp, w.dv, dvp, true);
     gemm<kTallRows, kTallVecs>(bc, dp, nr, w.ds, 1, kKeyBlock, w.q, dp, w.dk, dp, true);
     gemm<kTallRows, kTallVecs>(nr, dp, bc, w.ds, kKeyBlock, 1, w.k, dp, dq_part, dp, true);

@@ -119,15 +119,30 @@ def test_random_config(dtype, seed):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_every_isa(isa, seed):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_isa(isa, dtype, seed):
     cfg = random_config(100 + seed)
-    q, k, v, mask = build(cfg, "float32")
+    q, k, v, mask = build(cfg, dtype)
     kw = dict(attn_mask=mask, causal=cfg["causal"], scale=cfg["scale"],
               enable_gqa=cfg["Hq"] != cfg["Hkv"], layout=cfg["layout"])
     out, lse = forward(q, k, v, **kw)
-    dout = randn(np.random.default_rng(seed), out.shape)
+    dout = randn(np.random.default_rng(seed), out.shape, dtype)
     check_grads(attnkit.attention_backward(q, k, v, out, lse, dout, **kw),
-                grad_ref(q, k, v, dout, **kw), "float32")
+                grad_ref(q, k, v, dout, **kw), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D,Dv", [(33, 17), (1, 2), (130, 65)])
+@pytest.mark.parametrize("strided", [False, True])
+def test_odd_head_dims(rng, dtype, D, Dv, strided):
+    """Odd D and Dv (bf16 pairs with a lone last element), element strides != 1."""
+    q, k, v = randn(rng, (1, 2, 50, D), dtype), randn(rng, (1, 2, 70, D), dtype), randn(rng, (1, 2, 70, Dv), dtype)
+    out, lse = forward(q, k, v, causal=True)
+    dout = randn(rng, out.shape, dtype)
+    if strided:
+        q, k, v, dout = (strided_like(x, rng)[0] for x in (q, k, v, dout))
+    check_grads(attnkit.attention_backward(q, k, v, out, lse, dout, causal=True),
+                grad_ref(q, k, v, dout, causal=True), dtype)
 
 
 @pytest.mark.parametrize("Hq,Hkv", [(1, 1), (4, 1), (6, 2), (8, 8), (12, 3)])
