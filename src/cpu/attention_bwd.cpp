@@ -7,7 +7,8 @@
 // thread count (the split depends on the shapes only). Dropout regenerates the forward's
 // keep mask (detail::dropout_bits per 4 keys). All products run on the shared gemm tiles;
 // for bf16 inputs on avx512bf16, S and dP (products of the bf16 inputs, so exact in pairs)
-// run on bf16 pairs (vdpbf16ps). Compiled once per ISA.
+// run on bf16 pairs (vdpbf16ps), and dV, dK on pairs with P and dS rounded to bf16 (dQ stays
+// fp32). Compiled once per ISA.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -56,13 +57,15 @@ struct BackwardPlan {
                        + kRowBlock * (d_pad + dv_pad)  // Q, dO
                        + 3 * kRowBlock * kKeyBlock     // P, dP then dS, dropped P
                        + 2 * kRowBlock + dv_pad        // lse, D, one O row
-                       + (kKeyBlock + kRowBlock) * (d_pad + dv_pad);  // bf16 pairs of Kᵀ, Vᵀ, Q, dO
+                       + (kKeyBlock + kRowBlock) * (d_pad + dv_pad)   // bf16 pairs of Kᵀ, Vᵀ, Q, dO
+                       + kRowBlock / 2 * (2 * kKeyBlock + d_pad + dv_pad);  // row pairs of P, dS, dO, Q
   }
 };
 
 struct BackwardWorkspace {
   float *k, *kt, *v, *vt, *dk, *dv, *q, *dout, *p, *ds, *pd, *lse, *delta, *o_row;
   uint32_t *kt_pairs, *vt_pairs, *q_pairs, *dout_pairs;  // bf16 pairs along D (Dv), avx512bf16
+  uint32_t *p_rows, *ds_rows, *dout_rows, *q_rows;        // bf16 pairs of query rows, avx512bf16
   BackwardWorkspace(float* base, const BackwardPlan& plan) {
     const int64_t dp = plan.d_pad, dvp = plan.dv_pad;
     k = base, kt = k + kKeyBlock * dp, v = kt + kKeyBlock * dp, vt = v + kKeyBlock * dvp;
@@ -72,6 +75,8 @@ struct BackwardWorkspace {
     lse = pd + kRowBlock * kKeyBlock, delta = lse + kRowBlock, o_row = delta + kRowBlock;
     kt_pairs = reinterpret_cast<uint32_t*>(o_row + dvp), vt_pairs = kt_pairs + kKeyBlock * dp;
     q_pairs = vt_pairs + kKeyBlock * dvp, dout_pairs = q_pairs + kRowBlock * dp;
+    p_rows = dout_pairs + kRowBlock * dvp, ds_rows = p_rows + kRowBlock / 2 * kKeyBlock;
+    dout_rows = ds_rows + kRowBlock / 2 * kKeyBlock, q_rows = dout_rows + kRowBlock / 2 * dvp;
   }
 };
 
@@ -144,12 +149,15 @@ class BackwardTask {
     }
   }
 
-  // c[m][kKeyBlock] = a·b over bf16 pairs: a [m][pairs], b [pairs][kKeyBlock] (kPairs only).
-  static void gemm_pairs(int64_t m, int64_t pairs, const uint32_t* a, const uint32_t* b, float* c) {
+  // gemm_bf16 where the ISA has it (kPairs is false elsewhere).
+  template <int MR, int NV>
+  static void gemm_pairs(int64_t m, int64_t n, int64_t pairs, const uint32_t* a, int64_t lda, int64_t a_step,
+                         const uint32_t* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
 #if defined(ATTNKIT_ISA_avx512bf16)
-    gemm_bf16<kWideRows, kWideVecs>(m, kKeyBlock, pairs, a, pairs, 1, b, kKeyBlock, c, kKeyBlock, false);
+    gemm_bf16<MR, NV>(m, n, pairs, a, lda, a_step, b, ldb, c, ldc, accumulate);
 #else
-    (void)m, (void)pairs, (void)a, (void)b, (void)c;
+    (void)m, (void)n, (void)pairs, (void)a, (void)lda, (void)a_step, (void)b, (void)ldb, (void)c, (void)ldc,
+        (void)accumulate;
 #endif
   }
 
@@ -216,7 +224,8 @@ class BackwardTask {
     const int64_t d_pairs = (p_.D + 1) / 2, dv_pairs = (p_.Dv + 1) / 2;
     if constexpr (kPairs) {
       pair_rows(q, p_.q_stride[2], p_.q_stride[3], nr, p_.D, w.q_pairs);
-      gemm_pairs(nr, d_pairs, w.q_pairs, w.kt_pairs, w.p);
+      gemm_pairs<kWideRows, kWideVecs>(nr, kKeyBlock, d_pairs, w.q_pairs, d_pairs, 1, w.kt_pairs, kKeyBlock, w.p,
+                                       kKeyBlock, false);
     } else {
       gemm<kWideRows, kWideVecs>(nr, kKeyBlock, p_.D, w.q, dp, 1, w.kt, kKeyBlock, w.p, kKeyBlock, false);
     }
@@ -243,7 +252,8 @@ class BackwardTask {
     // dP = dO·Vᵀ; with dropout, the kept P and dP scaled by 1/(1-p), dropped ones zero.
     if constexpr (kPairs) {
       pair_rows(dout, bp_.dout_stride[2], bp_.dout_stride[3], nr, p_.Dv, w.dout_pairs);
-      gemm_pairs(nr, dv_pairs, w.dout_pairs, w.vt_pairs, w.ds);
+      gemm_pairs<kWideRows, kWideVecs>(nr, kKeyBlock, dv_pairs, w.dout_pairs, dv_pairs, 1, w.vt_pairs, kKeyBlock,
+                                       w.ds, kKeyBlock, false);
     } else {
       gemm<kWideRows, kWideVecs>(nr, kKeyBlock, p_.Dv, w.dout, dvp, 1, w.vt, kKeyBlock, w.ds, kKeyBlock, false);
     }
@@ -260,9 +270,21 @@ class BackwardTask {
       for (int64_t jj = 0; jj < kKeyBlock; jj += kLanes) vstore(ds + jj, vload(pr + jj) * (vload(ds + jj) - delta));
     }
 
-    // dV += P_droppedᵀ·dO, dK += dSᵀ·Q and dQ += dS·K (both times scale when stored).
-    gemm<kTallRows, kTallVecs>(bc, dvp, nr, p_dropped, 1, kKeyBlock, w.dout, dvp, w.dv, dvp, true);
-    gemm<kTallRows, kTallVecs>(bc, dp, nr, w.ds, 1, kKeyBlock, w.q, dp, w.dk, dp, true);
+    // dV += P_droppedᵀ·dO, dK += dSᵀ·Q and dQ += dS·K (both times scale when stored). With
+    // bf16 pairs, P and dS are rounded to bf16 for dV and dK (as the forward rounds P for
+    // P·V, and FlashAttention does): pairs of query rows, the reduction axis.
+    if constexpr (kPairs) {
+      const int64_t row_pairs = (nr + 1) / 2;
+      pair_rows_bf16(p_dropped, nr, kKeyBlock, w.p_rows);
+      pair_rows_bf16(w.ds, nr, kKeyBlock, w.ds_rows);
+      pair_rows_bf16(w.dout, nr, dvp, w.dout_rows);
+      pair_rows_bf16(w.q, nr, dp, w.q_rows);
+      gemm_pairs<kTallRows, kTallVecs>(bc, dvp, row_pairs, w.p_rows, 1, kKeyBlock, w.dout_rows, dvp, w.dv, dvp, true);
+      gemm_pairs<kTallRows, kTallVecs>(bc, dp, row_pairs, w.ds_rows, 1, kKeyBlock, w.q_rows, dp, w.dk, dp, true);
+    } else {
+      gemm<kTallRows, kTallVecs>(bc, dvp, nr, p_dropped, 1, kKeyBlock, w.dout, dvp, w.dv, dvp, true);
+      gemm<kTallRows, kTallVecs>(bc, dp, nr, w.ds, 1, kKeyBlock, w.q, dp, w.dk, dp, true);
+    }
     gemm<kTallRows, kTallVecs>(nr, dp, bc, w.ds, kKeyBlock, 1, w.k, dp, dq_part, dp, true);
   }
 
