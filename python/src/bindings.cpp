@@ -262,8 +262,8 @@ NB_MODULE(_C, m) {
         "attn_mask"_a.none(), "causal"_a, "scale"_a.none(), "dropout_p"_a, "seed"_a.none(),
         "enable_gqa"_a, "layout"_a);
   m.def("attention_backward", &attention_backward, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "dout"_a, "dq"_a,
-        "dk"_a, "dv"_a, "dlse"_a.none(), "attn_mask"_a.none(), "causal"_a, "scale"_a.none(), "dropout_p"_a, "seed"_a.none(),
-        "enable_gqa"_a, "layout"_a);
+        "dk"_a, "dv"_a, "dlse"_a.none(), "attn_mask"_a.none(), "causal"_a, "scale"_a.none(), "dropout_p"_a,
+        "seed"_a.none(), "enable_gqa"_a, "layout"_a);
   m.def("cast", &cast, "src"_a, "dst"_a);
   m.def("sage_attention", &sage_attention, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(), "causal"_a,
         "scale"_a.none(), "layout"_a, "mode"_a);

@@ -105,7 +105,8 @@ class BackwardTask {
         // Causal: query i sees key j0 (and so any of the block) only from i = j0 - offset on.
         const int64_t i_first = p_.causal ? std::max<int64_t>(0, j0 - p_.causal_offset) : 0;
         for (int64_t i0 = i_first; i0 < p_.Sq; i0 += kRowBlock) {
-          block(b, h, i0, std::min(kRowBlock, p_.Sq - i0), j0, bc, dq_part + ((h - kvh * p_.group) * p_.Sq + i0) * plan_.d_pad, w);
+          float* dq_block = dq_part + ((h - kvh * p_.group) * p_.Sq + i0) * plan_.d_pad;
+          block(b, h, i0, std::min(kRowBlock, p_.Sq - i0), j0, bc, dq_block, w);
         }
       }
       store_rows(w.dk, plan_.d_pad, p_.D, p_.scale, static_cast<E*>(bp_.dk), bp_.dk_stride, b, kvh, j0, bc);
@@ -139,8 +140,10 @@ class BackwardTask {
   void pack_kv(int64_t b, int64_t kvh, int64_t j0, int64_t bc, const BackwardWorkspace& w) const {
     const E* k = static_cast<const E*>(p_.k) + b * p_.k_stride[0] + kvh * p_.k_stride[1];
     const E* v = static_cast<const E*>(p_.v) + b * p_.v_stride[0] + kvh * p_.v_stride[1];
-    pack_rows(k + j0 * p_.k_stride[2], p_.k_stride[2], p_.k_stride[3], bc, kKeyBlock, p_.D, plan_.d_pad, 1.0f, w.k);
-    pack_rows(v + j0 * p_.v_stride[2], p_.v_stride[2], p_.v_stride[3], bc, kKeyBlock, p_.Dv, plan_.dv_pad, 1.0f, w.v);
+    pack_rows(k + j0 * p_.k_stride[2], p_.k_stride[2], p_.k_stride[3], bc, kKeyBlock, p_.D, plan_.d_pad, 1.0f,
+              w.k);
+    pack_rows(v + j0 * p_.v_stride[2], p_.v_stride[2], p_.v_stride[3], bc, kKeyBlock, p_.Dv, plan_.dv_pad,
+              1.0f, w.v);
     transpose_matrix(w.k, plan_.d_pad, kKeyBlock, plan_.d_pad, w.kt, kKeyBlock);
     transpose_matrix(w.v, plan_.dv_pad, kKeyBlock, plan_.dv_pad, w.vt, kKeyBlock);
     if constexpr (kPairs) {  // exact: the values are bf16 already
@@ -183,8 +186,8 @@ class BackwardTask {
 
   // n rows (row_stride apart, elements col_stride apart) of `cols` elements times scale into
   // dst [rows][ld], zero beyond: rows n .. rows-1 and columns cols .. ld-1.
-  static void pack_rows(const E* src, int64_t row_stride, int64_t col_stride, int64_t n, int64_t rows, int64_t cols,
-                        int64_t ld, float scale, float* dst) {
+  static void pack_rows(const E* src, int64_t row_stride, int64_t col_stride, int64_t n, int64_t rows,
+                        int64_t cols, int64_t ld, float scale, float* dst) {
     for (int64_t r = 0; r < n; ++r) {
       load_row<T>(src + r * row_stride, col_stride, cols, scale, dst + r * ld);
       std::memset(dst + r * ld + cols, 0, sizeof(float) * (ld - cols));
@@ -193,10 +196,12 @@ class BackwardTask {
   }
 
   // Accumulated fp32 rows [n][ld] times scale stored to rows j0 .. j0+n-1 of a dK or dV gradient.
-  void store_rows(const float* src, int64_t ld, int64_t cols, float scale, E* dst, const int64_t* stride, int64_t b,
-                  int64_t kvh, int64_t j0, int64_t n) const {
+  void store_rows(const float* src, int64_t ld, int64_t cols, float scale, E* dst, const int64_t* stride,
+                  int64_t b, int64_t kvh, int64_t j0, int64_t n) const {
     E* base = dst + b * stride[0] + kvh * stride[1];
-    for (int64_t j = 0; j < n; ++j) store_row<T>(src + j * ld, scale, cols, base + (j0 + j) * stride[2], stride[3]);
+    for (int64_t j = 0; j < n; ++j) {
+      store_row<T>(src + j * ld, scale, cols, base + (j0 + j) * stride[2], stride[3]);
+    }
   }
 
   // One query block (head h, rows i0 .. i0+nr-1) against one key block (keys j0 .. j0+bc-1).
@@ -204,8 +209,10 @@ class BackwardTask {
              const BackwardWorkspace& w) const {
     const int64_t dp = plan_.d_pad, dvp = plan_.dv_pad;
     const E* q = static_cast<const E*>(p_.q) + b * p_.q_stride[0] + h * p_.q_stride[1] + i0 * p_.q_stride[2];
-    const E* dout = static_cast<const E*>(bp_.dout) + b * bp_.dout_stride[0] + h * bp_.dout_stride[1] + i0 * bp_.dout_stride[2];
-    const E* out = static_cast<const E*>(p_.out) + b * p_.out_stride[0] + h * p_.out_stride[1] + i0 * p_.out_stride[2];
+    const E* dout = static_cast<const E*>(bp_.dout) + b * bp_.dout_stride[0] + h * bp_.dout_stride[1] +
+                    i0 * bp_.dout_stride[2];
+    const E* out =
+        static_cast<const E*>(p_.out) + b * p_.out_stride[0] + h * p_.out_stride[1] + i0 * p_.out_stride[2];
     pack_rows(q, p_.q_stride[2], p_.q_stride[3], nr, nr, p_.D, dp, 1.0f, w.q);
     pack_rows(dout, bp_.dout_stride[2], bp_.dout_stride[3], nr, nr, p_.Dv, dvp, 1.0f, w.dout);
     for (int64_t r = 0; r < nr; ++r) {
@@ -214,7 +221,9 @@ class BackwardTask {
       float delta = 0.0f;
       for (int64_t d = 0; d < p_.Dv; ++d) delta += g[d] * w.o_row[d];
       // lse's own gradient adds dlse·P to dS: the same as lowering D by dlse.
-      if (bp_.dlse) delta -= bp_.dlse[b * bp_.dlse_stride[0] + h * bp_.dlse_stride[1] + (i0 + r) * bp_.dlse_stride[2]];
+      if (bp_.dlse) {
+        delta -= bp_.dlse[b * bp_.dlse_stride[0] + h * bp_.dlse_stride[1] + (i0 + r) * bp_.dlse_stride[2]];
+      }
       w.delta[r] = delta;
       w.lse[r] = p_.lse[b * p_.lse_stride[0] + h * p_.lse_stride[1] + (i0 + r) * p_.lse_stride[2]];
     }
@@ -224,8 +233,8 @@ class BackwardTask {
     const int64_t d_pairs = (p_.D + 1) / 2, dv_pairs = (p_.Dv + 1) / 2;
     if constexpr (kPairs) {
       pair_rows(q, p_.q_stride[2], p_.q_stride[3], nr, p_.D, w.q_pairs);
-      gemm_pairs<kWideRows, kWideVecs>(nr, kKeyBlock, d_pairs, w.q_pairs, d_pairs, 1, w.kt_pairs, kKeyBlock, w.p,
-                                       kKeyBlock, false);
+      gemm_pairs<kWideRows, kWideVecs>(nr, kKeyBlock, d_pairs, w.q_pairs, d_pairs, 1, w.kt_pairs, kKeyBlock,
+                                       w.p, kKeyBlock, false);
     } else {
       gemm<kWideRows, kWideVecs>(nr, kKeyBlock, p_.D, w.q, dp, 1, w.kt, kKeyBlock, w.p, kKeyBlock, false);
     }
@@ -238,7 +247,9 @@ class BackwardTask {
       if (p_.causal) visible = std::clamp<int64_t>(i + p_.causal_offset - j0 + 1, 0, bc);
       if (p_.mask) {
         const int64_t off = b * p_.mask_stride[0] + h * p_.mask_stride[1] + i * p_.mask_stride[2];
-        for (int64_t jj = 0; jj < visible; ++jj) s[jj] += load_mask(p_.mask_dtype, p_.mask, off + (j0 + jj) * p_.mask_stride[3]);
+        for (int64_t jj = 0; jj < visible; ++jj) {
+          s[jj] += load_mask(p_.mask_dtype, p_.mask, off + (j0 + jj) * p_.mask_stride[3]);
+        }
       }
       for (int64_t jj = visible; jj < kKeyBlock; ++jj) s[jj] = -INFINITY;
       const float lse = w.lse[r];
@@ -246,16 +257,19 @@ class BackwardTask {
         std::memset(s, 0, sizeof(float) * kKeyBlock);
         continue;
       }
-      for (int64_t jj = 0; jj < kKeyBlock; jj += kLanes) vstore(s + jj, vexp2((vload(s + jj) - lse) * kLog2e));
+      for (int64_t jj = 0; jj < kKeyBlock; jj += kLanes) {
+        vstore(s + jj, vexp2((vload(s + jj) - lse) * kLog2e));
+      }
     }
 
     // dP = dO·Vᵀ; with dropout, the kept P and dP scaled by 1/(1-p), dropped ones zero.
     if constexpr (kPairs) {
       pair_rows(dout, bp_.dout_stride[2], bp_.dout_stride[3], nr, p_.Dv, w.dout_pairs);
-      gemm_pairs<kWideRows, kWideVecs>(nr, kKeyBlock, dv_pairs, w.dout_pairs, dv_pairs, 1, w.vt_pairs, kKeyBlock,
-                                       w.ds, kKeyBlock, false);
+      gemm_pairs<kWideRows, kWideVecs>(nr, kKeyBlock, dv_pairs, w.dout_pairs, dv_pairs, 1, w.vt_pairs,
+                                       kKeyBlock, w.ds, kKeyBlock, false);
     } else {
-      gemm<kWideRows, kWideVecs>(nr, kKeyBlock, p_.Dv, w.dout, dvp, 1, w.vt, kKeyBlock, w.ds, kKeyBlock, false);
+      gemm<kWideRows, kWideVecs>(nr, kKeyBlock, p_.Dv, w.dout, dvp, 1, w.vt, kKeyBlock, w.ds, kKeyBlock,
+                                 false);
     }
     const float* p_dropped = w.p;
     if (p_.dropout_p > 0.0f) {
@@ -267,7 +281,9 @@ class BackwardTask {
       const vfloat delta = vbroadcast(w.delta[r]);
       float* ds = w.ds + r * kKeyBlock;
       const float* pr = w.p + r * kKeyBlock;
-      for (int64_t jj = 0; jj < kKeyBlock; jj += kLanes) vstore(ds + jj, vload(pr + jj) * (vload(ds + jj) - delta));
+      for (int64_t jj = 0; jj < kKeyBlock; jj += kLanes) {
+        vstore(ds + jj, vload(pr + jj) * (vload(ds + jj) - delta));
+      }
     }
 
     // dV += P_droppedᵀ·dO, dK += dSᵀ·Q and dQ += dS·K (both times scale when stored). With
@@ -279,8 +295,10 @@ class BackwardTask {
       pair_rows_bf16(w.ds, nr, kKeyBlock, w.ds_rows);
       pair_rows_bf16(w.dout, nr, dvp, w.dout_rows);
       pair_rows_bf16(w.q, nr, dp, w.q_rows);
-      gemm_pairs<kTallRows, kTallVecs>(bc, dvp, row_pairs, w.p_rows, 1, kKeyBlock, w.dout_rows, dvp, w.dv, dvp, true);
-      gemm_pairs<kTallRows, kTallVecs>(bc, dp, row_pairs, w.ds_rows, 1, kKeyBlock, w.q_rows, dp, w.dk, dp, true);
+      gemm_pairs<kTallRows, kTallVecs>(bc, dvp, row_pairs, w.p_rows, 1, kKeyBlock, w.dout_rows, dvp, w.dv,
+                                       dvp, true);
+      gemm_pairs<kTallRows, kTallVecs>(bc, dp, row_pairs, w.ds_rows, 1, kKeyBlock, w.q_rows, dp, w.dk, dp,
+                                       true);
     } else {
       gemm<kTallRows, kTallVecs>(bc, dvp, nr, p_dropped, 1, kKeyBlock, w.dout, dvp, w.dv, dvp, true);
       gemm<kTallRows, kTallVecs>(bc, dp, nr, w.ds, 1, kKeyBlock, w.q, dp, w.dk, dp, true);
@@ -290,7 +308,8 @@ class BackwardTask {
 
   // The forward's keep mask (one Philox draw per 4 keys of row (b, h, i)): w.pd = P·keep/(1-p)
   // and dP·keep/(1-p) in place.
-  void apply_dropout(int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t j0, const BackwardWorkspace& w) const {
+  void apply_dropout(int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t j0,
+                     const BackwardWorkspace& w) const {
     const uint32_t threshold = detail::dropout_threshold(p_.dropout_p);
     const float keep_scale = 1.0f / (1.0f - p_.dropout_p);
     for (int64_t r = 0; r < nr; ++r) {
@@ -320,9 +339,13 @@ void run_backward(const AttentionBackwardParams& bp) {
   AlignedBuffer<float> workspace(plan.workspace_floats * threads);
   AlignedBuffer<float> dq_partial(plan.splits * p.B * p.Hq * p.Sq * plan.d_pad);
   const BackwardTask<T> task(bp, plan, dq_partial.data);
-  auto key_blocks = [&](int64_t t, int thread) { task.run(t, workspace.data + plan.workspace_floats * thread); };
+  auto key_blocks = [&](int64_t t, int thread) {
+    task.run(t, workspace.data + plan.workspace_floats * thread);
+  };
   detail::parallel_for(plan.tasks, threads, key_blocks);
-  auto reduce = [&](int64_t bh, int thread) { task.reduce_dq(bh, workspace.data + plan.workspace_floats * thread); };
+  auto reduce = [&](int64_t bh, int thread) {
+    task.reduce_dq(bh, workspace.data + plan.workspace_floats * thread);
+  };
   detail::parallel_for(p.B * p.Hq, threads, reduce);
 }
 

@@ -24,11 +24,18 @@ void bhsd_strides(const TensorView& t, Layout layout, int64_t* stride) {
 
 // t must be a 4-d tensor of `like`'s shape and dtype (like is the forward tensor it matches).
 void check_like(const TensorView& t, const char* name, const TensorView& like, const char* like_name) {
-  if (t.rank != 4) fail(name, " must be a 4-d tensor with ", like_name, "'s shape ", like.shape_str(), ", got ", t.rank, "-d");
-  for (int d = 0; d < 4; ++d) {
-    if (t.shape[d] != like.shape[d]) fail(name, " must have ", like_name, "'s shape ", like.shape_str(), ", got ", t.shape_str());
+  if (t.rank != 4) {
+    fail(name, " must be a 4-d tensor with ", like_name, "'s shape ", like.shape_str(), ", got ", t.rank,
+         "-d");
   }
-  if (t.dtype != like.dtype) fail(name, " must have ", like_name, "'s dtype ", dtype_name(like.dtype), ", got ", dtype_name(t.dtype));
+  for (int d = 0; d < 4; ++d) {
+    if (t.shape[d] != like.shape[d]) {
+      fail(name, " must have ", like_name, "'s shape ", like.shape_str(), ", got ", t.shape_str());
+    }
+  }
+  if (t.dtype != like.dtype) {
+    fail(name, " must have ", like_name, "'s dtype ", dtype_name(like.dtype), ", got ", dtype_name(t.dtype));
+  }
 }
 
 }  // namespace
@@ -41,7 +48,9 @@ void attention_backward(const AttentionBackwardArgs& a) {
   AttentionBackwardParams p{};
   p.fwd = detail::attention_params(fa);  // every forward check, in the forward's words
 
-  if (a.dropout_p > 0.0 && !a.seed) fail("seed must be the forward's dropout seed when dropout_p > 0, got None");
+  if (a.dropout_p > 0.0 && !a.seed) {
+    fail("seed must be the forward's dropout seed when dropout_p > 0, got None");
+  }
   check_like(a.dout, "dout", a.out, "out");
   check_like(a.dq, "dq", a.q, "q");
   check_like(a.dk, "dk", a.k, "k");

@@ -24,7 +24,8 @@ struct Problem {
   explicit Problem(const Shape& shape) : s(shape) {
     std::mt19937 gen(5);
     std::normal_distribution<float> dist;
-    q.resize(s.B * s.Hq * s.Sq * s.D), k.resize(s.B * s.Hkv * s.Skv * s.D), v.resize(s.B * s.Hkv * s.Skv * s.Dv);
+    q.resize(s.B * s.Hq * s.Sq * s.D), k.resize(s.B * s.Hkv * s.Skv * s.D);
+    v.resize(s.B * s.Hkv * s.Skv * s.Dv);
     dout.resize(s.B * s.Hq * s.Sq * s.Dv);
     for (auto* t : {&q, &k, &v, &dout})
       for (auto& x : *t) x = dist(gen);

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import attnkit
-from conftest import DTYPES, assert_bits_equal, assert_unmodified, np_dtype, poison, randn, snapshot, strided_like
+from conftest import (DTYPES, assert_bits_equal, assert_unmodified, np_dtype, poison, randn, snapshot,
+                      strided_like)
 from reference import assert_close, to_f64
 from test_attention import build, random_config
 
@@ -136,7 +137,8 @@ def test_every_isa(isa, dtype, seed):
 @pytest.mark.parametrize("strided", [False, True])
 def test_odd_head_dims(rng, dtype, D, Dv, strided):
     """Odd D and Dv (bf16 pairs with a lone last element), element strides != 1."""
-    q, k, v = randn(rng, (1, 2, 50, D), dtype), randn(rng, (1, 2, 70, D), dtype), randn(rng, (1, 2, 70, Dv), dtype)
+    q, k = randn(rng, (1, 2, 50, D), dtype), randn(rng, (1, 2, 70, D), dtype)
+    v = randn(rng, (1, 2, 70, Dv), dtype)
     out, lse = forward(q, k, v, causal=True)
     dout = randn(rng, out.shape, dtype)
     if strided:
@@ -449,7 +451,8 @@ def test_tiny_model_trains_like_sdpa():
         tokens = torch.randint(0, 50, (4, 33), generator=torch.Generator().manual_seed(1))
         curve = []
         for _ in range(10):  # one fixed batch: the loss must fall fast
-            loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).reshape(-1, 50), tokens[:, 1:].reshape(-1))
+            logits = model(tokens[:, :-1]).reshape(-1, 50)
+            loss = torch.nn.functional.cross_entropy(logits, tokens[:, 1:].reshape(-1))
             opt.zero_grad()
             loss.backward()
             opt.step()
