@@ -233,10 +233,10 @@ class BackwardTask {
     const int64_t d_pairs = (p_.D + 1) / 2, dv_pairs = (p_.Dv + 1) / 2;
     if constexpr (kPairs) {
       pair_rows(q, p_.q_stride[2], p_.q_stride[3], nr, p_.D, w.q_pairs);
-      gemm_pairs<kWideRows, kWideVecs>(nr, kKeyBlock, d_pairs, w.q_pairs, d_pairs, 1, w.kt_pairs, kKeyBlock,
+      gemm_pairs<kTallRows, kTallVecs>(nr, kKeyBlock, d_pairs, w.q_pairs, d_pairs, 1, w.kt_pairs, kKeyBlock,
                                        w.p, kKeyBlock, false);
     } else {
-      gemm<kWideRows, kWideVecs>(nr, kKeyBlock, p_.D, w.q, dp, 1, w.kt, kKeyBlock, w.p, kKeyBlock, false);
+      gemm<kTallRows, kTallVecs>(nr, kKeyBlock, p_.D, w.q, dp, 1, w.kt, kKeyBlock, w.p, kKeyBlock, false);
     }
     const vfloat scale = vbroadcast(p_.scale);
     for (int64_t r = 0; r < nr; ++r) {
@@ -265,10 +265,10 @@ class BackwardTask {
     // dP = dO·Vᵀ; with dropout, the kept P and dP scaled by 1/(1-p), dropped ones zero.
     if constexpr (kPairs) {
       pair_rows(dout, bp_.dout_stride[2], bp_.dout_stride[3], nr, p_.Dv, w.dout_pairs);
-      gemm_pairs<kWideRows, kWideVecs>(nr, kKeyBlock, dv_pairs, w.dout_pairs, dv_pairs, 1, w.vt_pairs,
+      gemm_pairs<kTallRows, kTallVecs>(nr, kKeyBlock, dv_pairs, w.dout_pairs, dv_pairs, 1, w.vt_pairs,
                                        kKeyBlock, w.ds, kKeyBlock, false);
     } else {
-      gemm<kWideRows, kWideVecs>(nr, kKeyBlock, p_.Dv, w.dout, dvp, 1, w.vt, kKeyBlock, w.ds, kKeyBlock,
+      gemm<kTallRows, kTallVecs>(nr, kKeyBlock, p_.Dv, w.dout, dvp, 1, w.vt, kKeyBlock, w.ds, kKeyBlock,
                                  false);
     }
     const float* p_dropped = w.p;
