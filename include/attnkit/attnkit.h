@@ -3,6 +3,7 @@
 
 #include "attnkit/attention.h"
 #include "attnkit/dsa.h"
+#include "attnkit/attention_backward.h"
 #include "attnkit/dtype.h"
 #include "attnkit/error.h"
 #include "attnkit/merge.h"

@@ -7,6 +7,7 @@ torch tensors, taken without copies; outputs come back in the input's kind.
 """
 
 from . import _C
+from .backward import attention_backward
 from .merge import merge_attention_states
 from . import dsa  # noqa: F401  (attnkit.dsa: DeepSeek sparse attention decode, indexer, top-k)
 from .ops import attention
@@ -56,6 +57,6 @@ def set_isa(name: str) -> None:
     _C.set_isa(name)
 
 
-__all__ = ["attention", "varlen_attention", "paged_attention", "append_kv_cache", "merge_attention_states",
+__all__ = ["attention", "attention_backward", "varlen_attention", "paged_attention", "append_kv_cache", "merge_attention_states",
            "sage_attention", "sparse_mla_prefill_fwd", "sparse_mla_q8kv8_prefill_fwd", "pad_heads",
            "unpad_heads", "set_num_threads", "get_num_threads", "get_isa", "supported_isas", "set_isa"]

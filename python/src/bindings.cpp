@@ -150,6 +150,33 @@ void attention(const InArray& q, const InArray& k, const InArray& v, const OutAr
   run_op([&] { attnkit::attention(args); });
 }
 
+void attention_backward(const InArray& q, const InArray& k, const InArray& v, const InArray& out,
+                        const InArray& lse, const InArray& dout, const OutArray& dq, const OutArray& dk,
+                        const OutArray& dv, const std::optional<InArray>& dlse,
+                        const std::optional<InArray>& attn_mask, int causal,
+                        std::optional<double> scale, double dropout_p, std::optional<uint64_t> seed,
+                        bool enable_gqa, const std::string& layout) {
+  attnkit::AttentionBackwardArgs args;
+  args.q = to_view(q, "q");
+  args.k = to_view(k, "k");
+  args.v = to_view(v, "v");
+  args.out = to_view(out, "out");
+  args.lse = to_view(lse, "lse");
+  args.dout = to_view(dout, "dout");
+  args.dq = to_view(dq, "dq");
+  args.dk = to_view(dk, "dk");
+  args.dv = to_view(dv, "dv");
+  args.dlse = to_view(dlse, "dlse");
+  args.attn_mask = to_view(attn_mask, "attn_mask");
+  args.causal = parse_causal(causal);
+  args.scale = scale;
+  args.dropout_p = dropout_p;
+  args.seed = seed;
+  args.enable_gqa = enable_gqa;
+  args.layout = parse_layout(layout);
+  run_op([&] { attnkit::attention_backward(args); });
+}
+
 attnkit::SparseMlaArgs sparse_mla_args(const InArray& q, const InArray& kv, const InArray& indices,
                                         double sm_scale, int64_t d_v, const std::optional<InArray>& q_scale,
                                         const std::optional<InArray>& kv_scale,
@@ -386,6 +413,9 @@ NB_MODULE(_C, m) {
         "attn_mask"_a.none(), "causal"_a, "scale"_a.none(), "dropout_p"_a, "seed"_a.none(),
         "enable_gqa"_a, "layout"_a, "window_left"_a = -1, "window_right"_a = -1, "softcap"_a.none() = nb::none(),
         "alibi_slopes"_a.none() = nb::none(), "sinks"_a.none() = nb::none());
+  m.def("attention_backward", &attention_backward, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "dout"_a, "dq"_a,
+        "dk"_a, "dv"_a, "dlse"_a.none(), "attn_mask"_a.none(), "causal"_a, "scale"_a.none(), "dropout_p"_a,
+        "seed"_a.none(), "enable_gqa"_a, "layout"_a);
   m.def("cast", &cast, "src"_a, "dst"_a);
   m.def("sage_attention", &sage_attention, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(), "causal"_a,
         "scale"_a.none(), "layout"_a, "mode"_a, "window_left"_a = -1, "window_right"_a = -1,

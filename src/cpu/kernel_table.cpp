@@ -10,6 +10,6 @@ namespace attnkit::cpu::ATTNKIT_ISA {
 
 const KernelTable kernel_table = {ATTNKIT_STR(ATTNKIT_ISA), &attention_fwd, &sparse_mla_fwd, &sage_int8_fwd,
                                    &merge_states,   &mla_decode_fwd, &v32_quantize, &indexer_logits,
-                                   &topk_select};
+                                   &topk_select,    &attention_bwd};
 
 }  // namespace attnkit::cpu::ATTNKIT_ISA

@@ -13,6 +13,7 @@ struct MlaDecodeParams;
 struct V32QuantizeParams;
 struct IndexerParams;
 struct TopkParams;
+struct AttentionBackwardParams;
 }
 
 namespace attnkit::cpu {
@@ -27,6 +28,7 @@ struct KernelTable {
   void (*v32_quantize)(const V32QuantizeParams& params);
   void (*indexer_logits)(const IndexerParams& params);
   void (*topk_select)(const TopkParams& params);
+  void (*attention_bwd)(const AttentionBackwardParams& params);
 };
 
 // Loops the benchmark uses to measure the machine (src/cpu/machine_probe.cpp).

@@ -14,5 +14,6 @@ void mla_decode_fwd(const MlaDecodeParams& params);
 void v32_quantize(const V32QuantizeParams& params);
 void indexer_logits(const IndexerParams& params);
 void topk_select(const TopkParams& params);
+void attention_bwd(const AttentionBackwardParams& params);
 
 }  // namespace attnkit::cpu::ATTNKIT_ISA

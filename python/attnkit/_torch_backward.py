@@ -1,0 +1,71 @@
+"""Torch autograd for attnkit::attention: the op attnkit::attention_backward (define + impl +
+register_fake) and, through install(), torch.library.register_autograd on attnkit::attention,
+so that loss.backward() and torch.compile of a training step run attnkit's backward.
+
+setup_context saves q, k, v, out, lse and the mask; backward passes dout and dlse (lse's
+gradient, zero when lse is unused) to attention_backward. The mask gets no gradient. With
+dropout the forward must be given a seed, since the keep mask is regenerated from it.
+"""
+
+import torch
+
+from . import _torch_ops
+from .backward import run_attention_backward
+
+_LIB = torch.library.Library("attnkit", "FRAGMENT")
+_LIB.define("attention_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, "
+            "Tensor? dlse, Tensor? attn_mask, int causal, float? scale, float dropout_p, int? seed, "
+            "bool enable_gqa, str layout) -> (Tensor, Tensor, Tensor)")
+
+
+def _backward_impl(q, k, v, out, lse, dout, dlse, attn_mask, causal, scale, dropout_p, seed,
+                   enable_gqa, layout):
+    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
+    run_attention_backward(q, k, v, out, lse, dout, attn_mask, causal, scale, dropout_p,
+                           _torch_ops._seed_from_op(seed), enable_gqa, layout, dq, dk, dv, dlse)
+    return dq, dk, dv
+
+
+def _backward_fake(q, k, v, out, lse, dout, dlse, attn_mask, causal, scale, dropout_p, seed,
+                   enable_gqa, layout):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
+
+
+_LIB.impl("attention_backward", _backward_impl, "CPU")
+torch.library.register_fake("attnkit::attention_backward", _backward_fake, lib=_LIB)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout = inputs
+    if dropout_p > 0.0 and seed is None:
+        raise ValueError("attnkit.attention with dropout_p > 0 on tensors that require grad needs a "
+                         "seed (the backward regenerates the forward's keep mask from it), got seed=None")
+    if attn_mask is not None and attn_mask.requires_grad:
+        raise ValueError("attnkit.attention computes no gradient for attn_mask, got a mask that "
+                         "requires grad")
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask)
+    ctx.args = (causal, scale, dropout_p, seed, enable_gqa, layout)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, attn_mask = ctx.saved_tensors
+    causal, scale, dropout_p, seed, enable_gqa, layout = ctx.args
+    # Autograd materialises both gradients (zeros for an unused lse).
+    dq, dk, dv = torch.ops.attnkit.attention_backward(q, k, v, out, lse, dout, dlse, attn_mask,
+                                                      causal, scale, dropout_p, seed, enable_gqa,
+                                                      layout)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+_installed = False
+
+
+def install():
+    """Registers the autograd formula of attnkit::attention (idempotent)."""
+    global _installed
+    if not _installed:
+        torch.library.register_autograd("attnkit::attention", _backward, setup_context=_setup_context,
+                                        lib=_LIB)
+        _installed = True
+

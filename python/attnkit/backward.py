@@ -1,0 +1,56 @@
+"""attnkit.attention_backward: the gradients of attnkit.attention (numpy and torch arrays).
+
+Torch autograd uses it through python/attnkit/_torch_backward.py; the C++ op
+(src/ops/attention_backward.cpp) checks every argument.
+"""
+
+from . import _C
+from ._arrays import empty_like_kind, kind_of, typed, typed_or_none, typed_output
+from .ops import causal_code, check_scalars
+
+
+def run_attention_backward(q, k, v, out, lse, dout, attn_mask, causal, scale, dropout_p, seed,
+                           enable_gqa, layout, dq, dk, dv, dlse=None):
+    """Calls the kernel on validated kinds; dq, dk and dv are caller-owned."""
+    _C.attention_backward(typed(q, "q"), typed(k, "k"), typed(v, "v"), typed(out, "out"),
+                          typed(lse, "lse"), typed(dout, "dout"), typed_output(dq, "dq"),
+                          typed_output(dk, "dk"), typed_output(dv, "dv"), typed_or_none(dlse, "dlse"),
+                          typed_or_none(attn_mask, "attn_mask"), causal,
+                          None if scale is None else float(scale), float(dropout_p), seed,
+                          bool(enable_gqa), layout)
+
+
+def attention_backward(q, k, v, out, lse, dout, *, attn_mask=None, causal=False, scale=None,
+                       dropout_p=0.0, seed=None, enable_gqa=False, layout="BHSD", dlse=None,
+                       dq=None, dk=None, dv=None):
+    """Gradients (dq, dk, dv) of attnkit.attention at (q, k, v), given its out and lse
+    (``attention(..., return_lse=True)``) and dout, the gradient of out.
+
+    The keyword arguments must be the forward's (the same mask, causal mode, scale, GQA and
+    layout); with dropout_p > 0, seed is required and must be the forward's seed, so that
+    the same keep mask is regenerated. dlse, if given, is the gradient of lse (float32
+    [B, Hq, Sq]); None means zero. The mask gets no gradient. dq, dk, dv, if given, must
+    have the shapes and dtype of q, k, v and not alias any input; they are allocated
+    otherwise. Gradients are accumulated in float32, rounded once to the input dtype, and
+    are bit-identical for any thread count.
+
+    The math (FlashAttention-2): P = exp(q·kᵀ·scale + mask - lse) (times keep/(1-p) with
+    dropout), D = rowsum(dout ∘ out) - dlse, dv = Pᵀ·dout, dS = P ∘ (dout·vᵀ - D),
+    dq = dS·k·scale, dk = dSᵀ·q·scale; with GQA, dk and dv are summed over each group.
+    """
+    code = causal_code(causal)
+    check_scalars(scale, dropout_p, seed, layout)
+    kind = kind_of(q, "q")
+    for x, name in ((k, "k"), (v, "v"), (out, "out"), (lse, "lse"), (dout, "dout"),
+                    (attn_mask, "attn_mask"), (dlse, "dlse"), (dq, "dq"), (dk, "dk"), (dv, "dv")):
+        if x is None and name in ("attn_mask", "dlse", "dq", "dk", "dv"):
+            continue
+        if kind_of(x, name) != kind:
+            raise ValueError(f"{name} must be a {kind} array like q, got {type(x).__name__}")
+    dtype = typed(q, "q")[1]
+    dq = empty_like_kind(kind, tuple(q.shape), dtype) if dq is None else dq
+    dk = empty_like_kind(kind, tuple(k.shape), dtype) if dk is None else dk
+    dv = empty_like_kind(kind, tuple(v.shape), dtype) if dv is None else dv
+    run_attention_backward(q, k, v, out, lse, dout, attn_mask, code, scale, dropout_p, seed,
+                           enable_gqa, layout, dq, dk, dv, dlse)
+    return dq, dk, dv

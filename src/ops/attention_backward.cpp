@@ -1,0 +1,92 @@
+// The dense-attention backward contract: the forward's checks (detail::attention_params on
+// the same arguments), then dout and the gradients (rank, dtype, shape, no self-overlap, no
+// aliasing with any input or each other), then the params block for the kernel.
+#include "attnkit/attention_backward.h"
+
+#include <string>
+#include <utility>
+
+#include "attnkit/error.h"
+#include "core/dispatch.h"
+#include "ops/attention_backward_params.h"
+#include "ops/checks.h"
+
+namespace attnkit {
+namespace {
+
+using detail::fail;
+
+// t's strides in BHSD order (BSHD stores the head and sequence dims swapped).
+void bhsd_strides(const TensorView& t, Layout layout, int64_t* stride) {
+  static constexpr int kBshd[4] = {0, 2, 1, 3};
+  for (int d = 0; d < 4; ++d) stride[d] = t.strides[layout == Layout::BHSD ? d : kBshd[d]];
+}
+
+// t must be a 4-d tensor of `like`'s shape and dtype (like is the forward tensor it matches).
+void check_like(const TensorView& t, const char* name, const TensorView& like, const char* like_name) {
+  if (t.rank != 4) {
+    fail(name, " must be a 4-d tensor with ", like_name, "'s shape ", like.shape_str(), ", got ", t.rank,
+         "-d");
+  }
+  for (int d = 0; d < 4; ++d) {
+    if (t.shape[d] != like.shape[d]) {
+      fail(name, " must have ", like_name, "'s shape ", like.shape_str(), ", got ", t.shape_str());
+    }
+  }
+  if (t.dtype != like.dtype) {
+    fail(name, " must have ", like_name, "'s dtype ", dtype_name(like.dtype), ", got ", dtype_name(t.dtype));
+  }
+}
+
+}  // namespace
+
+void attention_backward(const AttentionBackwardArgs& a) {
+  AttentionArgs fa;
+  fa.q = a.q, fa.k = a.k, fa.v = a.v, fa.out = a.out, fa.lse = a.lse, fa.attn_mask = a.attn_mask;
+  fa.causal = a.causal, fa.scale = a.scale, fa.dropout_p = a.dropout_p, fa.seed = a.seed;
+  fa.enable_gqa = a.enable_gqa, fa.layout = a.layout;
+  AttentionBackwardParams p{};
+  p.fwd = detail::attention_params(fa);  // every forward check, in the forward's words
+
+  if (a.dropout_p > 0.0 && !a.seed) {
+    fail("seed must be the forward's dropout seed when dropout_p > 0, got None");
+  }
+  check_like(a.dout, "dout", a.out, "out");
+  check_like(a.dq, "dq", a.q, "q");
+  check_like(a.dk, "dk", a.k, "k");
+  check_like(a.dv, "dv", a.v, "v");
+  if (a.dlse) {
+    const TensorView& l = *a.dlse;
+    if (l.rank != 3 || l.shape[0] != p.fwd.B || l.shape[1] != p.fwd.Hq || l.shape[2] != p.fwd.Sq) {
+      fail("dlse must have lse's shape ", a.lse.shape_str(), ", got ", l.shape_str());
+    }
+    if (l.dtype != DType::float32) fail("dlse must be float32, got ", dtype_name(l.dtype));
+  }
+  const std::pair<const TensorView*, const char*> grads[] = {{&a.dq, "dq"}, {&a.dk, "dk"}, {&a.dv, "dv"}};
+  for (const auto& [g, name] : grads) detail::check_writable_layout(*g, name);
+  const std::pair<const TensorView*, const char*> inputs[] = {
+      {&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.out, "out"}, {&a.lse, "lse"}, {&a.dout, "dout"}};
+  for (const auto& [g, name] : grads) {
+    for (const auto& [input, input_name] : inputs) detail::check_no_overlap(*g, name, *input, input_name);
+    if (a.attn_mask) detail::check_no_overlap(*g, name, *a.attn_mask, "attn_mask");
+    if (a.dlse) detail::check_no_overlap(*g, name, *a.dlse, "dlse");
+  }
+  detail::check_no_overlap(a.dq, "dq", a.dk, "dk");
+  detail::check_no_overlap(a.dq, "dq", a.dv, "dv");
+  detail::check_no_overlap(a.dk, "dk", a.dv, "dv");
+
+  p.dout = a.dout.data, p.dq = a.dq.data, p.dk = a.dk.data, p.dv = a.dv.data;
+  bhsd_strides(a.dout, a.layout, p.dout_stride);
+  bhsd_strides(a.dq, a.layout, p.dq_stride);
+  bhsd_strides(a.dk, a.layout, p.dk_stride);
+  bhsd_strides(a.dv, a.layout, p.dv_stride);
+  if (a.dlse) {
+    p.dlse = static_cast<const float*>(a.dlse->data);
+    for (int d = 0; d < 3; ++d) p.dlse_stride[d] = a.dlse->strides[d];
+  }
+  const AttentionParams& f = p.fwd;
+  if (f.B == 0 || (f.Hq == 0 && f.Hkv == 0)) return;  // nothing to write
+  detail::kernels().attention_bwd(p);
+}
+
+}  // namespace attnkit
