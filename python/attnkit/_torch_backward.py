@@ -9,7 +9,6 @@ dropout the forward must be given a seed, since the keep mask is regenerated fro
 
 import torch
 
-from . import _torch_ops
 from .backward import run_attention_backward
 
 _LIB = torch.library.Library("attnkit", "FRAGMENT")
@@ -22,7 +21,7 @@ def _backward_impl(q, k, v, out, lse, dout, dlse, attn_mask, causal, scale, drop
                    enable_gqa, layout):
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
     run_attention_backward(q, k, v, out, lse, dout, attn_mask, causal, scale, dropout_p,
-                           _torch_ops._seed_from_op(seed), enable_gqa, layout, dq, dk, dv, dlse)
+                           None if seed is None else seed % 2**64, enable_gqa, layout, dq, dk, dv, dlse)
     return dq, dk, dv
 
 
@@ -35,8 +34,14 @@ _LIB.impl("attention_backward", _backward_impl, "CPU")
 torch.library.register_fake("attnkit::attention_backward", _backward_fake, lib=_LIB)
 
 
+_NO_MODS = (-1, -1, None, None, None)  # window_left, window_right, softcap, alibi_slopes, sinks
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout = inputs
+    q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout = inputs[:10]
+    if tuple(inputs[10:]) != _NO_MODS[:len(inputs) - 10]:
+        raise ValueError("attnkit.attention has no backward for the score modifiers (window, softcap, "
+                         "alibi_slopes, sinks) yet: call it under torch.no_grad() or pass detached inputs")
     if dropout_p > 0.0 and seed is None:
         raise ValueError("attnkit.attention with dropout_p > 0 on tensors that require grad needs a "
                          "seed (the backward regenerates the forward's keep mask from it), got seed=None")
@@ -46,6 +51,7 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, attn_mask)
     ctx.args = (causal, scale, dropout_p, seed, enable_gqa, layout)
+    ctx.n_inputs = len(inputs)
 
 
 def _backward(ctx, dout, dlse):
@@ -55,17 +61,19 @@ def _backward(ctx, dout, dlse):
     dq, dk, dv = torch.ops.attnkit.attention_backward(q, k, v, out, lse, dout, dlse, attn_mask,
                                                       causal, scale, dropout_p, seed, enable_gqa,
                                                       layout)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return (dq, dk, dv) + (None,) * (ctx.n_inputs - 3)
 
 
 _installed = False
 
 
 def install():
-    """Registers the autograd formula of attnkit::attention (idempotent)."""
+    """Registers the autograd formula of attnkit::attention (idempotent). _torch_ops, which
+    defines the op, calls it when it loads."""
     global _installed
-    if not _installed:
-        torch.library.register_autograd("attnkit::attention", _backward, setup_context=_setup_context,
-                                        lib=_LIB)
-        _installed = True
+    if _installed:
+        return
+    _installed = True
+    from . import _torch_ops  # noqa: F401  (defines attnkit::attention; its last line calls install)
+    torch.library.register_autograd("attnkit::attention", _backward, setup_context=_setup_context, lib=_LIB)
 

@@ -23,11 +23,12 @@ from .sparse_mla import run_sparse_mla
 _LIB = torch.library.Library("attnkit", "DEF")
 _ARGS = ("Tensor q, Tensor k, Tensor v, Tensor? attn_mask, int causal, float? scale, "
          "float dropout_p, int? seed, bool enable_gqa, str layout")
-# The score modifiers, keyword-only with defaults (window -1: unbounded).
+# The score modifiers, defaulted (window -1: unbounded); positional, not keyword-only, since
+# torch.library.register_autograd takes no keyword-only tensors.
 _MODS = ("int window_left=-1, int window_right=-1, float? softcap=None, Tensor? alibi_slopes=None, "
          "Tensor? sinks=None")
-_LIB.define(f"attention({_ARGS}, *, {_MODS}) -> (Tensor, Tensor)")
-_LIB.define(f"attention_out({_ARGS}, Tensor(a!) out, Tensor(b!)? lse, *, {_MODS}) -> ()")
+_LIB.define(f"attention({_ARGS}, {_MODS}) -> (Tensor, Tensor)")
+_LIB.define(f"attention_out({_ARGS}, Tensor(a!) out, Tensor(b!)? lse, {_MODS}) -> ()")
 
 
 def _seed_to_op(seed):
@@ -62,7 +63,7 @@ def eager(tensors) -> bool:
     return True
 
 
-def _attention_impl(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout, *,
+def _attention_impl(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout,
                     window_left=-1, window_right=-1, softcap=None, alibi_slopes=None, sinks=None):
     out_shape, lse_shape = attention_shapes(q, k, v, layout)
     out = q.new_empty(out_shape)
@@ -72,20 +73,20 @@ def _attention_impl(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_g
     return out, lse
 
 
-def _attention_fake(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout, **mods):
+def _attention_fake(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout, *mods, **kw_mods):
     out_shape, lse_shape = attention_shapes(q, k, v, layout)
     return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 def _attention_out_impl(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout,
-                        out, lse, *, window_left=-1, window_right=-1, softcap=None,
+                        out, lse, window_left=-1, window_right=-1, softcap=None,
                         alibi_slopes=None, sinks=None):
     run_attention(q, k, v, attn_mask, causal, scale, dropout_p, _seed_from_op(seed), enable_gqa,
                   layout, out, lse, (window_left, window_right), softcap, alibi_slopes, sinks)
 
 
 def _attention_out_fake(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout,
-                        out, lse, **mods):
+                        out, lse, *mods, **kw_mods):
     return None
 
 
@@ -175,17 +176,21 @@ def register_grad_refusal(op_name, lib=_LIB):
     lib.impl(op_name, kernel, "Autograd", with_keyset=True)
 
 
-for _name in ("attention", "attention_out", "sage_attention", "sparse_mla_prefill_fwd",
-              "sparse_mla_q8kv8_prefill_fwd"):
+# attnkit::attention has a backward (_torch_backward, installed at the end of this module);
+# the others refuse inputs that require grad.
+for _name in ("attention_out", "sage_attention", "sparse_mla_prefill_fwd", "sparse_mla_q8kv8_prefill_fwd"):
     register_grad_refusal(_name)
 
 
 def attention(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout, return_lse,
               out, window=(-1, -1), softcap=None, alibi_slopes=None, sinks=None):
     """The torch path of attnkit.attention (arguments already checked for kind and value)."""
-    if eager((q, k, v, attn_mask, out, alibi_slopes, sinks)):
-        check_no_grad("attnkit.attention", (("q", q), ("k", k), ("v", v), ("attn_mask", attn_mask),
-                                            ("out", out), ("alibi_slopes", alibi_slopes), ("sinks", sinks)))
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if needs_grad and out is not None:  # attention_out writes a caller's buffer: no autograd
+        check_no_grad("attnkit.attention with out=", (("q", q), ("k", k), ("v", v)))
+    if eager((q, k, v, attn_mask, out, alibi_slopes, sinks)) and not needs_grad:
+        check_no_grad("attnkit.attention", (("attn_mask", attn_mask), ("out", out), ("alibi_slopes", alibi_slopes),
+                                            ("sinks", sinks)))
         # run_attention's call, each tensor's shape read once and a new out described
         # without asking torch (each tensor attribute read costs ~0.2 us)
         tq, tk, tv = typed(q, "q"), typed(k, "k"), typed(v, "v")
@@ -214,3 +219,9 @@ def attention(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, la
     torch.ops.attnkit.attention_out(q, k, v, attn_mask, causal, scale, dropout_p, seed,
                                     enable_gqa, layout, out, lse, **mods)
     return (out, lse) if return_lse else out
+
+
+# The autograd formula of attnkit::attention (its module imports this one's names).
+from . import _torch_backward  # noqa: E402
+
+_torch_backward.install()

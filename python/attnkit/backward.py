@@ -5,7 +5,7 @@ Torch autograd uses it through python/attnkit/_torch_backward.py; the C++ op
 """
 
 from . import _C
-from ._arrays import empty_like_kind, kind_of, typed, typed_or_none, typed_output
+from ._arrays import FLOAT, MASK, dtype_name, empty_like_kind, kind_of, typed, typed_or_none, typed_output
 from .ops import causal_code, check_scalars
 
 
@@ -13,9 +13,9 @@ def run_attention_backward(q, k, v, out, lse, dout, attn_mask, causal, scale, dr
                            enable_gqa, layout, dq, dk, dv, dlse=None):
     """Calls the kernel on validated kinds; dq, dk and dv are caller-owned."""
     _C.attention_backward(typed(q, "q"), typed(k, "k"), typed(v, "v"), typed(out, "out"),
-                          typed(lse, "lse"), typed(dout, "dout"), typed_output(dq, "dq"),
-                          typed_output(dk, "dk"), typed_output(dv, "dv"), typed_or_none(dlse, "dlse"),
-                          typed_or_none(attn_mask, "attn_mask"), causal,
+                          typed(lse, "lse", "float32"), typed(dout, "dout"), typed_output(dq, "dq"),
+                          typed_output(dk, "dk"), typed_output(dv, "dv"), typed_or_none(dlse, "dlse", "float32"),
+                          typed_or_none(attn_mask, "attn_mask", MASK), causal,
                           None if scale is None else float(scale), float(dropout_p), seed,
                           bool(enable_gqa), layout)
 
@@ -39,15 +39,16 @@ def attention_backward(q, k, v, out, lse, dout, *, attn_mask=None, causal=False,
     dq = dS·k·scale, dk = dSᵀ·q·scale; with GQA, dk and dv are summed over each group.
     """
     code = causal_code(causal)
-    check_scalars(scale, dropout_p, seed, layout)
+    scale, dropout_p = check_scalars(scale, dropout_p, seed, layout)
     kind = kind_of(q, "q")
     for x, name in ((k, "k"), (v, "v"), (out, "out"), (lse, "lse"), (dout, "dout"),
                     (attn_mask, "attn_mask"), (dlse, "dlse"), (dq, "dq"), (dk, "dk"), (dv, "dv")):
         if x is None and name in ("attn_mask", "dlse", "dq", "dk", "dv"):
             continue
         if kind_of(x, name) != kind:
-            raise ValueError(f"{name} must be a {kind} array like q, got {type(x).__name__}")
-    dtype = typed(q, "q")[1]
+            what = "tensor" if kind == "torch" else "array"
+            raise ValueError(f"{name} must be a {kind} {what} like q, got {type(x).__name__}")
+    dtype = dtype_name(q, "q", FLOAT)
     dq = empty_like_kind(kind, tuple(q.shape), dtype) if dq is None else dq
     dk = empty_like_kind(kind, tuple(k.shape), dtype) if dk is None else dk
     dv = empty_like_kind(kind, tuple(v.shape), dtype) if dv is None else dv

@@ -54,7 +54,12 @@ def calls(rng):
     ]
 
 
-@pytest.mark.parametrize("case", range(6))
+# Cases 0 and 2 (the functional attention) have a backward for q, k and v
+# (test_attention_backward.py); the others, and the mask, refuse inputs that require grad.
+REFUSED = [1, 3, 4, 5]
+
+
+@pytest.mark.parametrize("case", REFUSED)
 def test_requires_grad_is_refused(rng, case):
     name, call, tensors = calls(rng)[case]
     for which in tensors:
@@ -62,7 +67,7 @@ def test_requires_grad_is_refused(rng, case):
             continue
         t = dict(tensors)
         t[which] = tensors[which].clone().requires_grad_(True)
-        with pytest.raises(ValueError, match=f"^{name} has no backward yet, and {which} requires grad"):
+        with pytest.raises(ValueError, match=f"^{name}( with out=)? has no backward yet, and {which} requires grad"):
             call(t)
 
 
@@ -95,10 +100,25 @@ def test_no_grad_matches_reference(rng):
     assert_close(out, attention_ref(q.detach(), k.detach(), v.detach())[0], *tolerance("float32"))
 
 
-def test_compiled_call_refuses_grad(rng):
-    """torch.compile goes through the registered op, whose Autograd kernel refuses too."""
+@pytest.mark.parametrize("case", [0, 2])
+def test_mask_gets_no_gradient(rng, case):
+    _, call, tensors = calls(rng)[case]
+    t = dict(tensors, attn_mask=tensors["attn_mask"].clone().requires_grad_(True))
+    with pytest.raises(ValueError, match="(computes no gradient for|and) attn_mask"):
+        call(t)
+
+
+def test_modifiers_have_no_backward_yet(rng):
     q, k, v = qkv(rng)
-    f = torch.compile(lambda q, k, v: attnkit.attention(q, k, v), fullgraph=True, backend="eager")
+    q.requires_grad_(True)
+    with pytest.raises(ValueError, match="no backward for the score modifiers"):
+        attnkit.attention(q, k, v, softcap=5.0)
+
+
+def test_compiled_call_refuses_grad(rng):
+    """torch.compile goes through the registered ops, whose Autograd kernels refuse too."""
+    q, k, v = qkv(rng)
+    f = torch.compile(lambda q, k, v: attnkit.sage_attention(q, k, v), fullgraph=True, backend="eager")
     q.requires_grad_(True)
     with pytest.raises(Exception, match="has no backward yet, and q requires grad"):
         f(q, k, v)
