@@ -196,8 +196,9 @@ def attention(q, k, v, *, attn_mask=None, causal=False, scale=None, dropout_p=0.
       call the kernel directly, the same computation without the dispatcher's cost.
     - scale and dropout_p: a Python or numpy number, or a 0-d tensor / array. Flags
       (enable_gqa, return_lse, causal) are bools: anything else is a ValueError.
-    - No backward yet: a torch input that requires grad, with grad mode on, is a ValueError
-      (call under torch.no_grad() or torch.inference_mode(), or detach the inputs).
+    - Autograd: torch inputs q, k, v that require grad get gradients from attnkit's backward
+      (attnkit.attention_backward; dropout then needs a seed). The score modifiers, out= and a
+      mask that requires grad have no backward yet: a ValueError with grad mode on.
 
     Returns out, or (out, lse) with return_lse=True.
     """
