@@ -4,12 +4,8 @@ forms writing caller buffers) and append_kv_cache (mutates the caches)."""
 
 import torch
 
-from ._torch_ops import register_grad_refusal
+from ._torch_ops import _MODS, register_grad_refusal  # _MODS: the score modifiers' schema
 from .serving import _packed_out_shapes, run_append, run_paged, run_varlen
-
-# The score modifiers, keyword-only with defaults, as in attnkit::attention's schema.
-_MODS = ("int window_left=-1, int window_right=-1, float? softcap=None, Tensor? alibi_slopes=None, "
-         "Tensor? sinks=None")
 
 _LIB = torch.library.Library("attnkit", "FRAGMENT")
 

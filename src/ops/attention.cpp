@@ -18,8 +18,8 @@ namespace {
 
 using detail::check_no_overlap;
 using detail::fail;
-
-constexpr int64_t kMaxHeadDim = 512;
+using detail::is_attention_dtype;
+using detail::kMaxHeadDim;
 
 // Logical BHSD dims of a 4-d view in the given layout, and its strides in that order.
 struct Bhsd {
@@ -50,9 +50,6 @@ std::string dims_str(int64_t b, int64_t h, int64_t s, int64_t d, Layout layout) 
                                 : "[" + str(b) + ", " + str(s) + ", " + str(h) + ", " + str(d) + "]";
 }
 
-bool is_attention_dtype(DType t) {
-  return t == DType::float32 || t == DType::float16 || t == DType::bfloat16;
-}
 
 }  // namespace
 

@@ -12,6 +12,12 @@
 
 namespace attnkit::detail {
 
+// The dtypes and head dims of the ops built on the dense kernel (attention, sage, varlen, paged).
+inline constexpr int64_t kMaxHeadDim = 512;
+inline bool is_attention_dtype(DType t) {
+  return t == DType::float32 || t == DType::float16 || t == DType::bfloat16;
+}
+
 template <class... Parts>
 [[noreturn]] void fail(const Parts&... parts) {
   std::ostringstream msg;

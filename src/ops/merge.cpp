@@ -14,8 +14,6 @@ namespace {
 
 using detail::fail;
 
-bool is_float_type(DType d) { return d == DType::float32 || d == DType::float16 || d == DType::bfloat16; }
-
 bool same_view(const TensorView& a, const TensorView& b) {
   if (a.data != b.data || a.dtype != b.dtype || a.rank != b.rank) return false;
   for (int d = 0; d < a.rank; ++d) {
@@ -67,7 +65,7 @@ void merge_attention_states(const MergeStatesArgs& a) {
 
   // 2. Dtypes of the outputs of attention.
   for (const auto& [t, name] : {std::pair{&a.out_a, "out_a"}, {&a.out_b, "out_b"}, {&a.out, "out"}}) {
-    if (!is_float_type(t->dtype)) {
+    if (!detail::is_attention_dtype(t->dtype)) {
       fail(name, " must be float32, float16 or bfloat16, got ", dtype_name(t->dtype));
     }
   }

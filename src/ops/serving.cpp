@@ -22,10 +22,9 @@ namespace {
 
 using detail::check_no_overlap;
 using detail::fail;
+using detail::is_attention_dtype;
+using detail::kMaxHeadDim;
 
-constexpr int64_t kMaxHeadDim = 512;
-
-bool is_attention_dtype(DType t) { return t == DType::float32 || t == DType::float16 || t == DType::bfloat16; }
 bool is_float8(DType t) { return t == DType::float8_e4m3fn || t == DType::float8_e5m2; }
 
 int32_t int32_at(const TensorView& t, int64_t i) { return static_cast<const int32_t*>(t.data)[i * t.strides[0]]; }
