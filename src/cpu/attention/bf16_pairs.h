@@ -1,0 +1,176 @@
+// bf16 inputs on avx512bf16: Q and K as bf16 pairs along D for Sᵀ = K · Qᵀ with
+// vdpbf16ps (tile loop and decode), and P·V on pairs along the keys with P rounded to
+// bf16 (the bf16 tile loop and sage). Variants without vdpbf16ps get empty definitions:
+// their plans never choose these paths.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "cpu/attention/task.h"
+#include "cpu/kernels/convert.h"
+#include "cpu/kernels/dot.h"
+#include "cpu/kernels/gemm_dot.h"
+
+namespace attnkit::cpu::ATTNKIT_ISA::fwd {
+
+#if defined(ATTNKIT_ISA_avx512bf16)
+template <DType T, DType TK>
+uint32_t AttentionTask<T, TK>::pair(uint16_t lo, uint16_t hi) {
+  return uint32_t{lo} | uint32_t{hi} << 16;
+}
+
+// Qᵀ as bf16 pairs along D into w.qt: [p][r] = (q[r][2p], q[r][2p+1]), unscaled (the scale is
+// applied to the fp32 scores); odd D ends with a zero, padding rows are zero. Rows are
+// paired into w.k (free until the first key tile), then transposed.
+template <DType T, DType TK>
+void AttentionTask<T, TK>::pack_qt_pairs(const RowBlock& rb, const Workspace& w) const {
+  const int64_t pairs = (p_.D + 1) / 2, lds = round_up(pairs, kLanes);
+  uint32_t* rows = reinterpret_cast<uint32_t*>(w.k);
+  std::memset(rows, 0, sizeof(uint32_t) * plan_.rows_pad * lds);
+  for (int64_t r = 0; r < rb.rows; ++r) {
+    pack_pairs(reinterpret_cast<const uint16_t*>(q_row(rb, r)), p_.q_stride[3],
+               rows + r * lds);  // E is bf16 here
+  }
+  transpose_matrix(w.k, lds, plan_.rows_pad, lds, w.qt, plan_.rows_pad);
+}
+
+// Sᵀ = K · Qᵀ on bf16 pairs (K rows in place, a gemm per run, or copied as pairs), then
+// Sᵀ *= scale.
+template <DType T, DType TK>
+void AttentionTask<T, TK>::qk_bf16(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t bc,
+                                   const Workspace& w) const {
+  const int64_t pairs = (p_.D + 1) / 2, ld = plan_.rows_pad;
+  const uint32_t* qt = reinterpret_cast<const uint32_t*>(w.qt);
+  if (rb.mode->k_in_place) {
+    krows.for_each_run(j0, bc, [&](const EK* k, int64_t first, int64_t n) {
+      gemm_bf16<kWideRows, kWideVecs>(n, ld, pairs, reinterpret_cast<const uint32_t*>(k), krows.stride / 2, 1,
+                                      qt, ld, w.st + first * ld, ld, false);
+    });
+  } else {
+    const uint32_t* keys = pack_key_pairs(krows, j0, bc, pairs, w);
+    gemm_bf16<kWideRows, kWideVecs>(bc, ld, pairs, keys, pairs, 1, qt, ld, w.st, ld, false);
+  }
+  const vfloat scale = vbroadcast(rb.scale);
+  for (int64_t i = 0; i < bc * ld; i += kLanes) vstore(w.st + i, vload(w.st + i) * scale);
+}
+
+// O += P · V with P rounded to bf16 and both packed as pairs along the keys (vdpbf16ps):
+// Pᵀ is rewritten in place (pair row jp of keys 2jp, 2jp+1). V pairs come from sage's
+// prepared V, or are interleaved here from this tile's bf16 V rows.
+template <DType T, DType TK>
+void AttentionTask<T, TK>::pv_bf16(const RowBlock& rb, const KvRows<EK>& vrows, int64_t j0, int64_t bc,
+                                   const Workspace& w) const {
+  const int64_t ld = plan_.rows_pad, dv_pad = plan_.dv_pad, pairs = (bc + 1) / 2;
+  uint32_t* pp = reinterpret_cast<uint32_t*>(w.st);
+  pair_rows_bf16(w.st, bc, ld, pp);
+  uint32_t* vp = reinterpret_cast<uint32_t*>(w.v);
+  if (!kq_) {  // bf16 V (EK is bf16 here): a lone last key pairs with a zero row (its P is zero too)
+    vrows.for_each_run(j0, bc, [&](const EK* v, int64_t first, int64_t n) {
+      const uint16_t* a = reinterpret_cast<const uint16_t*>(v);
+      for (int64_t j = first; j < first + n; ++j, a += vrows.stride) {
+        // The rows of a pair may lie in different pages: a pair's second row that starts
+        // a run is added to the pair its first row left half empty.
+        uint32_t* dst = vp + j / 2 * dv_pad;  // j counts from the tile's first key
+        if (j % 2 == 0) {
+          const bool second_here = j + 1 < first + n;
+          interleave_bf16_rows(a, second_here ? a + vrows.stride : nullptr, p_.v_stride[3], p_.Dv, dv_pad,
+                               dst);
+          if (second_here) ++j, a += vrows.stride;
+        } else {
+          for (int64_t d = 0; d < p_.Dv; ++d) dst[d] |= uint32_t{a[d * p_.v_stride[3]]} << 16;
+        }
+      }
+    });
+    gemm_bf16<kTallRows, kTallVecs>(rb.rows, dv_pad, pairs, pp, 1, ld, vp, dv_pad, w.o, dv_pad, true);
+    return;
+  }
+  const int64_t head = rb.b * p_.Hkv + rb.kvh;
+  const uint32_t* prepared = kq_->v_pairs + (head * ((p_.Skv + 1) / 2) + j0 / 2) * dv_pad;
+  const int64_t full = bc / 2;  // pairs whose two keys are both in the tile
+  gemm_bf16<kTallRows, kTallVecs>(rb.rows, dv_pad, full, pp, 1, ld, prepared, dv_pad, w.o, dv_pad, true);
+  if (bc % 2) {  // the last key alone: the pair's other key lies past the tile (mask, split)
+    for (int64_t d = 0; d < dv_pad; ++d) vp[d] = prepared[full * dv_pad + d] & 0xFFFFu;
+    gemm_bf16<kTallRows, kTallVecs>(rb.rows, dv_pad, 1, pp + full * ld, 1, ld, vp, dv_pad, w.o, dv_pad, true);
+  }
+}
+
+// Decode: Q rows as bf16 pairs, unscaled, grouped for dot_key_block_bf16 into w.qt (via w.k).
+template <DType T, DType TK>
+void AttentionTask<T, TK>::pack_q_row_pairs(const RowBlock& rb, const Workspace& w) const {
+  const int64_t pairs = (p_.D + 1) / 2;
+  uint32_t* rows = reinterpret_cast<uint32_t*>(w.k);  // free until the first key block
+  for (int64_t r = 0; r < rb.rows; ++r) {
+    pack_pairs(reinterpret_cast<const uint16_t*>(q_row(rb, r)), p_.q_stride[3],
+               rows + r * pairs);  // E is bf16 here
+  }
+  group_rows(rb.mode->rows_per_vec, rb.rows, pairs, rows, pairs, rb.mode->chunks,
+             reinterpret_cast<uint32_t*>(w.qt));
+}
+
+// Decode: s[r * lds + j] = K[j0 + j] · Q[r] on bf16 pairs for n <= kLanes keys, read in
+// place when whole pairs of each row can be loaded as they are, then times the scale.
+template <DType T, DType TK>
+void AttentionTask<T, TK>::qk_rows_bf16(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t n,
+                                        bool in_place, float* s, int64_t lds, const Workspace& w) const {
+  const uint32_t* keys;
+  int64_t ldk;
+  if (in_place) {
+    keys = reinterpret_cast<const uint32_t*>(krows.row(j0)), ldk = krows.stride / 2;
+  } else {  // whole chunks of kLanes zero-padded rows
+    const int64_t ld = rb.mode->chunked_row;
+    uint32_t* kp = pack_key_pairs(krows, j0, n, ld, w);
+    std::memset(kp + n * ld, 0, sizeof(uint32_t) * (kLanes - n) * ld);
+    keys = kp, ldk = ld;
+  }
+  dot_key_block_bf16(rb.mode->rows_per_vec, rb.rows, rb.mode->chunks, keys, ldk,
+                     reinterpret_cast<const uint32_t*>(w.qt), s, lds);
+  const vfloat scale = vbroadcast(rb.scale);
+  for (int64_t r = 0; r < rb.rows; ++r) vstore(s + r * lds, vload(s + r * lds) * scale);
+}
+
+// D elements at src (stride `stride`) as bf16 pairs; odd D ends with a zero.
+template <DType T, DType TK>
+void AttentionTask<T, TK>::pack_pairs(const uint16_t* src, int64_t stride, uint32_t* dst) const {
+  if (stride == 1) {  // whole pairs as they lie (memcpy reads them unaligned)
+    std::memcpy(dst, src, sizeof(uint16_t) * (p_.D & ~int64_t{1}));
+    if (p_.D % 2) dst[p_.D / 2] = src[p_.D - 1];
+    return;
+  }
+  for (int64_t d = 0; d < p_.D; d += 2)
+    dst[d / 2] = pair(src[d * stride], d + 1 < p_.D ? src[(d + 1) * stride] : 0);
+}
+
+// K rows j0 .. j0+n-1 as bf16 pairs into w.k, rows of ld pairs (zero past the row's own pairs).
+template <DType T, DType TK>
+uint32_t* AttentionTask<T, TK>::pack_key_pairs(const KvRows<EK>& krows, int64_t j0, int64_t n, int64_t ld,
+                                               const Workspace& w) const {
+  uint32_t* kp = reinterpret_cast<uint32_t*>(w.k);
+  const int64_t pairs = (p_.D + 1) / 2;
+  krows.for_each_run(j0, n, [&](const EK* k, int64_t first, int64_t count) {
+    const uint16_t* k16 = reinterpret_cast<const uint16_t*>(k);  // EK is bf16 on this path
+    for (int64_t j = first; j < first + count; ++j) {
+      pack_pairs(k16 + (j - first) * krows.stride, p_.k_stride[3], kp + j * ld);
+      std::memset(kp + j * ld + pairs, 0, sizeof(uint32_t) * (ld - pairs));
+    }
+  });
+  return kp;
+}
+
+#else
+template <DType T, DType TK>
+void AttentionTask<T, TK>::pack_qt_pairs(const RowBlock&, const Workspace&) const {}
+template <DType T, DType TK>
+void AttentionTask<T, TK>::qk_bf16(const RowBlock&, const KvRows<EK>&, int64_t, int64_t,
+                                   const Workspace&) const {}
+template <DType T, DType TK>
+void AttentionTask<T, TK>::pv_bf16(const RowBlock&, const KvRows<EK>&, int64_t, int64_t,
+                                   const Workspace&) const {}
+template <DType T, DType TK>
+void AttentionTask<T, TK>::pack_q_row_pairs(const RowBlock&, const Workspace&) const {}
+template <DType T, DType TK>
+void AttentionTask<T, TK>::qk_rows_bf16(const RowBlock&, const KvRows<EK>&, int64_t, int64_t, bool, float*,
+                                        int64_t, const Workspace&) const {}
+#endif
+
+}  // namespace attnkit::cpu::ATTNKIT_ISA::fwd

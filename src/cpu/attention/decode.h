@@ -1,0 +1,132 @@
+// Decode: row blocks of few rows (kLanes / 2 at most) run key blocks of kDecodeKeys keys
+// with row-major scores (keys along the lanes, no padded rows): dot_key_block for Q·Kᵀ,
+// whole-row P·V tiles, K and V read in address order with software prefetch where it
+// pays (PrefetchChooser).
+#pragma once
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu/attention/task.h"
+#include "cpu/kernels/dot.h"
+#include "cpu/kernels/softmax.h"
+
+namespace attnkit::cpu::ATTNKIT_ISA::fwd {
+
+// Decode's software prefetch pays only when memory is slow to answer. On this VM the memory
+// state differs from process to process: at one thread Dc took 1.6 ms with the hardware
+// prefetchers alone in some processes and 4-5.5 ms in others, 2.3-4 ms with the prefetches
+// in both. So each task times both on alternate runs of blocks after a warm-up and keeps
+// the faster: 1.7 ms and 3.9 ms in those states. Timing only; results never depend on it.
+class PrefetchChooser {
+ public:
+  // Whether the task's block number `block` (from 0) prefetches: yes through the warm-up,
+  // then alternate runs of kRun blocks (even runs yes), then the faster choice.
+  bool prefetch(int64_t block) {
+    if (block >= kDecide) return chosen_;
+    if (block < kWarmup) return true;
+    return (block - kWarmup) / kRun % 2 == 0;
+  }
+  // Called when block number `block` is done: times the alternate runs.
+  void done(int64_t block) {
+    if (block < kWarmup - 1 || block >= kDecide) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (block >= kWarmup) spent_[(block - kWarmup) / kRun % 2] += now - last_;
+    last_ = now;
+    if (block == kDecide - 1) chosen_ = spent_[0] <= spent_[1];
+  }
+
+ private:
+  static constexpr int64_t kWarmup = 4, kRun = 4, kDecide = kWarmup + 8 * kRun;
+  std::chrono::steady_clock::time_point last_;
+  std::chrono::steady_clock::duration spent_[2] = {};  // in runs with, without prefetch
+  bool chosen_ = true;
+};
+
+// Decode: few rows, so scores are row-major (keys along the lanes, no padded rows), in
+// blocks of kDecodeKeys keys computed kLanes keys at a time. K and V are read in address
+// order (dot_key_block, whole-row P·V tiles), with software prefetch where it pays.
+template <DType T, DType TK>
+void AttentionTask<T, TK>::attend_rows(const RowBlock& rb, int64_t begin, int64_t end,
+                                       const Workspace& w) const {
+  const int64_t ld = kDecodeKeys;
+  const Scores scores{w.st, 1, ld};
+  if (plan_.bf16_dot) {
+    pack_q_row_pairs(rb, w);
+  } else {
+    pack_q_rows(rb, w);
+  }
+  std::memset(w.o, 0, sizeof(float) * rb.rows * plan_.dv_pad);
+  for (int64_t r = 0; r < rb.rows; ++r) w.m[r] = -INFINITY, w.l[r] = 0.0f;
+
+  const KvRows<EK> krows = kv_rows(p_.k, p_.k_stride, rb), vrows = kv_rows(p_.v, p_.v_stride, rb);
+  PrefetchChooser chooser;
+  for (int64_t j0 = begin; j0 < end; j0 += kDecodeKeys) {
+    const int64_t block = (j0 - begin) / kDecodeKeys;
+    const bool prefetch = chooser.prefetch(block);
+    const int64_t bc = end - j0 < kDecodeKeys ? end - j0 : kDecodeKeys;
+    const int64_t width = round_up(bc, kLanes);
+    // This block's V rows into L2 before its Q·Kᵀ, the next block's K rows before its P·V:
+    // each about half a block ahead of use (of the orders tried, the best across memory
+    // states: the next block's K and V, two blocks ahead, part of each row, key by key).
+    if (prefetch) prefetch_rows(vrows, j0, end, p_.Dv);
+    for (int64_t c = 0; c < bc; c += kLanes) {
+      qk_key_block(rb, krows, j0 + c, bc - c < kLanes ? bc - c : kLanes, w.st + c, ld, w);
+    }
+    apply_score_mods(rb, j0, bc, scores, w);  // before the padding: the soft-cap would lift its -inf
+    for (int64_t r = 0; r < rb.rows; ++r) {   // keys past the block's end
+      for (int64_t j = bc; j < width; ++j) w.st[r * ld + j] = -INFINITY;
+    }
+    apply_masks(rb, j0, bc, scores);
+    online_softmax_rows(w.st, width, ld, rb.rows, w.m, w.l, w.alpha);
+    rescale_output(rb, w);
+    if (p_.dropout_p > 0.0f) apply_dropout(rb, j0, bc, scores);
+    if (prefetch) prefetch_rows(krows, j0 + kDecodeKeys, end, p_.D);
+    accumulate_pv(rb, vrows, j0, bc, scores, w);
+    chooser.done(block);
+  }
+}
+
+// Decode: rows first .. first + kDecodeKeys - 1 (those before `end`) of `cols` elements
+// into L2.
+template <DType T, DType TK>
+void AttentionTask<T, TK>::prefetch_rows(const KvRows<EK>& rows, int64_t first, int64_t end, int64_t cols) {
+  const int64_t n = end - first < kDecodeKeys ? end - first : kDecodeKeys;
+  rows.for_each_run(first, n < 0 ? 0 : n, [&](const EK* src, int64_t, int64_t count) {
+    for (int64_t j = 0; j < count; ++j) {
+      prefetch_bytes(src, j * rows.stride * int64_t{sizeof(EK)}, cols * int64_t{sizeof(EK)}, Cache::l2);
+    }
+  });
+}
+
+// Decode: s[r * lds + j] = K[j0 + j] · Q[r] for n <= kLanes keys (lanes past n are left
+// for the caller to mask): in place (when the keys lie at one stride) or packed, fp32 or
+// bf16 pairs.
+template <DType T, DType TK>
+void AttentionTask<T, TK>::qk_key_block(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t n,
+                                        float* s, int64_t lds, const Workspace& w) const {
+  const bool in_place = rb.mode->k_in_place && n == kLanes && krows.run_end(j0, j0 + n) == j0 + n;
+  if (plan_.bf16_dot) {
+    qk_rows_bf16(rb, krows, j0, n, in_place, s, lds, w);
+  } else if (in_place) {
+    dot_key_block(rb.mode->rows_per_vec, rb.rows, rb.mode->chunks,
+                  reinterpret_cast<const float*>(krows.row(j0)), krows.stride, w.qt, s, lds);
+  } else {  // whole chunks of kLanes zero-padded rows
+    const int64_t ld = rb.mode->chunked_row;
+    pack_rows(krows, j0, n, p_.k_stride[3], p_.D, ld, w.k);
+    std::memset(w.k + n * ld, 0, sizeof(float) * (kLanes - n) * ld);
+    dot_key_block(rb.mode->rows_per_vec, rb.rows, rb.mode->chunks, w.k, ld, w.qt, s, lds);
+  }
+}
+
+// Decode: Q rows pre-multiplied by the softmax scale, grouped for dot_key_block into w.qt (via w.k).
+template <DType T, DType TK>
+void AttentionTask<T, TK>::pack_q_rows(const RowBlock& rb, const Workspace& w) const {
+  for (int64_t r = 0; r < rb.rows; ++r)
+    load_row<T>(q_row(rb, r), p_.q_stride[3], p_.D, rb.scale, w.k + r * p_.D);
+  group_rows(rb.mode->rows_per_vec, rb.rows, p_.D, w.k, p_.D, rb.mode->chunks, w.qt);
+}
+
+}  // namespace attnkit::cpu::ATTNKIT_ISA::fwd

@@ -1,0 +1,288 @@
+// The attention forward's plan: how a call's rows split into row blocks and tasks (per
+// sequence, heavy first, keys split where a row block alone holds much of the work), how
+// each row block runs (Mode: the tile loop or decode's key blocks, operands in place or
+// packed), the per-thread workspace, and where K/V rows lie (KvRows: strided or paged).
+// Shared by the tile loop (tile_loop.h) and decode (decode.h); see task.h.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "cpu/kernels/dot.h"
+#include "cpu/kernels/simd.h"
+#include "cpu/kernels/workspace.h"
+#include "ops/attention_params.h"
+
+namespace attnkit::cpu::ATTNKIT_ISA::fwd {
+
+constexpr int64_t kKvTile = 128;           // keys per tile (a multiple of 4: one dropout draw per 4 keys)
+constexpr int64_t kMinSplitTiles = 4;      // a kv split covers at least this many tiles
+constexpr int64_t kMinParallelTasks = 16;  // fewer row blocks than this: split the keys
+constexpr int64_t kPrefetchRows = 32;      // packing asks for the row this far ahead (flat 16..64)
+// Keys per decode block (scores, softmax, P·V); 2 and 4 vectors measured slower out of cache.
+constexpr int64_t kDecodeKeys = kLanes;
+// Query rows per task (heads of a group × positions): a multiple of 16 (the Kᵀ·Q tile's
+// columns) and of 6 (the P·V tile's rows on AVX-512), measured best of 48, 64 and 96.
+constexpr int64_t kRowTarget = 48;
+static_assert(kRowTarget <= kKvTile, "the Q packers stage a task's rows in the K tile's space");
+// Whether this variant has the bf16 and int8 dot-product instructions (vdpbf16ps, vpdpbusd).
+#if defined(ATTNKIT_ISA_avx512bf16)
+constexpr bool kDotProducts = true;
+#else
+constexpr bool kDotProducts = false;
+#endif
+
+// K and V prepared once per call for sage int8 mode (prepare_sage): K smoothed by its
+// per-head mean over tokens (softmax is invariant to it; lse is corrected), then int8 with
+// one scale per kKvTile keys, stored + 128 as the unsigned operand of vpdpbusd; on
+// avx512bf16 also V as bf16 pairs of consecutive keys for vdpbf16ps. Key rows holding a
+// NaN or inf are left out of the mean and the tile scales and get zero codes; their logits
+// are computed exactly instead (fix_nonfinite_logits), so NaN and inf propagate as in
+// exact attention.
+struct QuantizedKeys {
+  const uint8_t* codes;           // [B][Hkv][Skv][4 * quads]
+  const float* scale;             // [B][Hkv][tiles]
+  const float* mean;              // [B][Hkv][D]
+  const uint32_t* v_pairs;        // [B][Hkv][ceil(Skv / 2)][dv_pad], or null
+  const uint8_t* nonfinite;       // [B][Hkv][Skv]: 1 where the key row holds a NaN or inf
+  const uint8_t* tile_nonfinite;  // [B][Hkv][tiles]: 1 where any key of the tile does
+  int64_t quads, tiles;
+};
+
+// One sequence's share of the work: its row blocks (kv heads × head chunks × query blocks,
+// in that order) and the key ranges each splits into. Dense attention has B equal ones.
+struct Sequence {
+  int64_t b, sq, skv;  // queries and keys
+  int64_t row0;        // packed row of query 0 (ragged batches; 0 for dense)
+  int64_t offset;      // query i aligns to key i + offset (causal: sees keys j <= i + offset)
+  int64_t span;        // keys a row block sees from its first visible one (Plan::key_span)
+  int64_t q_blocks, kv_splits, kv_split_len;
+  int64_t first_row_block, first_task, first_slot;  // slots: partial states (kv_splits > 1)
+};
+
+// How one row block runs: the tile loop, or for few rows (decode) key blocks with row-major
+// scores (attend_rows); and which operands it reads in place.
+struct Mode {
+  bool key_blocks;
+  int rows_per_vec;     // key blocks: query rows side by side in one vector (dot.h)
+  int64_t chunks;       // key blocks: a Q/K row in chunks of kLanes / rows_per_vec elements (bf16: pairs)
+  int64_t chunked_row;  // key blocks: chunks × that, the length of a packed K row
+  bool pv_bf16;         // P·V on bf16 pairs: sage int8, and the bf16 tile loop, on avx512bf16
+  bool k_in_place;      // K rows used where they are, without packing
+  bool v_split_bf16;    // bf16 V rows read in place by the P·V tile; O in split order
+};
+
+// How the work splits into tasks, and the per-thread workspace each task uses.
+struct Plan {
+  int64_t heads_per_task, positions_per_task, head_chunks, row_blocks;
+  int64_t tasks, slots;        // tasks: row blocks × their kv splits; slots: tasks of split row blocks
+  std::vector<Sequence> seqs;  // heavy first
+  int64_t rows_pad, d_pad, dv_pad, workspace_floats, partial_floats;
+  bool bf16_dot;             // bf16 inputs on avx512bf16: K·Qᵀ with vdpbf16ps
+  bool int8;                 // sage int8 mode: K·Qᵀ on int8 codes
+  bool v_in_place;           // fp32 V rows with unit stride need no packing
+  Mode tile;                 // row blocks of more rows
+  Mode few[kLanes / 2 + 1];  // few[r]: row blocks of r rows, where key blocks pay
+
+  Plan(const AttentionParams& p, bool int8_mode) {
+    int8 = int8_mode;
+    heads_per_task = p.group < kRowTarget ? p.group : kRowTarget;
+    positions_per_task = kRowTarget / heads_per_task;
+    if (positions_per_task > p.Sq) positions_per_task = p.Sq;
+    if (positions_per_task < 1) positions_per_task = 1;
+    head_chunks = (p.group + heads_per_task - 1) / heads_per_task;
+    plan_sequences(p);
+
+    const int64_t rows = heads_per_task * positions_per_task;
+    rows_pad = round_up(rows, kLanes);
+    d_pad = round_up(p.D, kLanes);
+    dv_pad = round_up(p.Dv, kLanes);
+    // fp8 caches (paged) are widened to fp32 as they are packed: the fp32 paths below.
+    bf16_dot = kDotProducts && !int8 && p.dtype == DType::bfloat16 && p.kv_dtype == DType::bfloat16;
+    v_in_place = p.kv_dtype == DType::float32 && p.v_stride[3] == 1 && p.Dv == dv_pad;
+    tile = make_mode(p, rows, false);
+    for (int64_t r = 1; r <= kLanes / 2; ++r) few[r] = make_mode(p, r, !int8 && r <= kMaxDotRows);
+    workspace_floats = d_pad * rows_pad        // Qᵀ (or Q rows), scaled
+                       + rows_pad * dv_pad     // output accumulators
+                       + kKvTile * rows_pad    // Sᵀ, then Pᵀ
+                       + kKvTile * d_pad       // K tile (when packed)
+                       + kKvTile * dv_pad      // V tile (when packed)
+                       + 8 * rows_pad;         // running max, sum, rescale; int8 q scale, sum;
+                                               // sage's row shift; ALiBi slope, distance
+    partial_floats = rows_pad * (dv_pad + 2);  // o, m, l of one split
+  }
+
+  // The mode of a row block of `rows` rows: key blocks where they pay (decode rows, and the
+  // last positions of a sequence), else the tile loop.
+  const Mode& mode(int64_t rows) const {
+    return 2 * rows <= kLanes && few[rows].key_blocks ? few[rows] : tile;
+  }
+
+  // The sequence (and its row block) of a task or row block: the last one starting at or before it.
+  const Sequence& sequence_of_task(int64_t task) const {
+    return *(std::upper_bound(seqs.begin(), seqs.end(), task,
+                              [](int64_t t, const Sequence& s) { return t < s.first_task; }) -
+             1);
+  }
+  const Sequence& sequence_of_row_block(int64_t rb) const {
+    return *(std::upper_bound(seqs.begin(), seqs.end(), rb,
+                              [](int64_t r, const Sequence& s) { return r < s.first_row_block; }) -
+             1);
+  }
+
+ private:
+  // Sequences heavy first (a stable sort: dense keeps batch order), each row block's keys
+  // split where it alone holds more than 1/kMinParallelTasks of the work (decode: too few
+  // row blocks to keep the threads busy), at least kMinSplitTiles tiles per split; the
+  // partial softmax states are merged exactly. The split depends on the shapes only, never
+  // on the thread count, so results are bit-identical for any number of threads.
+  void plan_sequences(const AttentionParams& p) {
+    seqs.resize(p.B);
+    int64_t total_work = 0;  // Σ over row blocks of rows × keys
+    for (int64_t b = 0; b < p.B; ++b) {
+      Sequence& s = seqs[b];
+      s.b = b;
+      s.row0 = p.q_begin ? p.q_begin[b] : 0;
+      s.sq = p.q_begin ? p.q_begin[b + 1] - p.q_begin[b] : p.Sq;
+      s.skv = p.kv_begin ? p.kv_begin[b + 1] - p.kv_begin[b] : (p.kv_len ? p.kv_len[b] : p.Skv);
+      s.offset = p.q_begin ? s.skv - s.sq : p.causal_offset;  // ragged batches align bottom-right
+      s.q_blocks = (s.sq + positions_per_task - 1) / positions_per_task;
+      s.span = key_span(p, s);
+      total_work += p.Hkv * head_chunks * s.q_blocks * row_work(s);
+    }
+    std::stable_sort(seqs.begin(), seqs.end(),
+                     [](const Sequence& x, const Sequence& y) { return x.sq * x.skv > y.sq * y.skv; });
+    row_blocks = tasks = slots = 0;
+    for (Sequence& s : seqs) {
+      s.kv_splits = 1;
+      if (total_work > 0) {
+        const int64_t want = (row_work(s) * kMinParallelTasks + total_work - 1) / total_work;
+        const int64_t most = s.span / (kMinSplitTiles * kKvTile);
+        s.kv_splits = std::max<int64_t>(1, std::min(want, most));
+      }
+      s.kv_split_len = round_up((s.span + s.kv_splits - 1) / s.kv_splits, kKvTile);
+      const int64_t n = p.Hkv * head_chunks * s.q_blocks;
+      s.first_row_block = row_blocks, s.first_task = tasks, s.first_slot = slots;
+      row_blocks += n;
+      tasks += n * s.kv_splits;
+      if (s.kv_splits > 1) slots += n * s.kv_splits;
+    }
+  }
+  int64_t row_work(const Sequence& s) const { return s.span * std::min(s.sq, positions_per_task); }
+
+  // The most keys a row block of the sequence sees from its first visible one (run() splits
+  // from there): all of them, or with a window the window's reach.
+  int64_t key_span(const AttentionParams& p, const Sequence& s) const {
+    if (p.window_left < 0) return s.skv;
+    const int64_t right = p.causal ? 0 : (p.window_right >= 0 ? p.window_right : s.skv);
+    const int64_t most_keys =
+        p.window_left + positions_per_task + right + kKvTile;  // + visible_keys' rounding
+    return most_keys < s.skv ? most_keys : s.skv;
+  }
+
+  Mode make_mode(const AttentionParams& p, int64_t rows, bool key_blocks) const {
+    Mode m;
+    m.key_blocks = key_blocks;
+    // bf16 inputs round P to bf16 for P·V, as FlashAttention and torch do: the products
+    // and sums stay fp32, and vdpbf16ps runs it at nearly twice the fp32 FMA rate. Decode
+    // is bound by its reads, so it keeps P in fp32.
+    m.pv_bf16 = kDotProducts && (int8 || (bf16_dot && !key_blocks));
+    const int64_t elems = bf16_dot ? (p.D + 1) / 2 : p.D;  // per Q/K row: fp32, or bf16 pairs
+    m.rows_per_vec = rows_per_vector(rows, elems);
+    const int64_t segment = kLanes / m.rows_per_vec;
+    m.chunks = (elems + segment - 1) / segment;
+    m.chunked_row = m.chunks * segment;
+    // K rows read where they are: fp32 rows of unit stride; for vdpbf16ps, bf16 rows that
+    // are whole pairs (every row starts on a pair: even strides; the key block reads whole
+    // chunks, so D must fill them there).
+    const bool whole_chunks = !key_blocks || elems % segment == 0;
+    if (bf16_dot) {
+      const bool pairs_aligned = p.k_stride[0] % 2 == 0 && p.k_stride[1] % 2 == 0 && p.k_stride[2] % 2 == 0;
+      m.k_in_place = p.k_stride[3] == 1 && pairs_aligned && p.D % 2 == 0 && whole_chunks;
+    } else {
+      m.k_in_place = p.kv_dtype == DType::float32 && p.k_stride[3] == 1 && whole_chunks;
+    }
+    m.v_split_bf16 =
+        p.kv_dtype == DType::bfloat16 && p.v_stride[3] == 1 && p.Dv % (2 * kLanes) == 0 && !m.pv_bf16;
+    return m;
+  }
+};
+
+struct Workspace {
+  float *qt, *o, *st, *k, *v, *m, *l, *alpha, *q_scale;
+  int32_t* q_sum;
+  float *shift, *slope, *dist;  // per row: sage's q·mean (soft-cap only); ALiBi's slope, a - j0
+  Workspace(float* base, const Plan& plan, const AttentionParams& p) {
+    qt = base;
+    o = qt + plan.d_pad * plan.rows_pad;
+    st = o + plan.rows_pad * plan.dv_pad;
+    k = st + kKvTile * plan.rows_pad;
+    v = k + kKvTile * plan.d_pad;
+    m = v + kKvTile * plan.dv_pad;
+    l = m + plan.rows_pad;
+    alpha = l + plan.rows_pad;
+    q_scale = alpha + plan.rows_pad;
+    q_sum = reinterpret_cast<int32_t*>(q_scale + plan.rows_pad);
+    shift = reinterpret_cast<float*>(q_sum + plan.rows_pad);
+    slope = shift + plan.rows_pad;
+    dist = slope + plan.rows_pad;
+  }
+};
+
+// The rows of one task: heads h0 .. h0+nh-1 of kv head kvh, positions i0 .. i0+nq-1 of
+// sequence b (its query 0 at packed row row0). Row r is head h0 + r / nq at position
+// i0 + r % nq. The sequence has skv keys; causal: position i sees keys j <= i + offset.
+// scale multiplies q·k (the softmax scale times the cache's k_scale), v_scale the output.
+struct RowBlock {
+  int64_t b, kvh, h0, nh, i0, nq, rows;
+  int64_t row0, skv, offset;
+  float scale, v_scale;
+  const Mode* mode;  // how it runs (Plan::mode)
+};
+
+// Where the K (or V) rows of one (sequence, kv head) lie: row j at base + j * stride
+// (dense, varlen), or in a paged cache at offset j % page_size of page pages[j / page_size]
+// (base + page * page_stride + offset * stride). Rows come in runs at one stride: the whole
+// range when contiguous, a page's worth when paged.
+template <class E>
+struct KvRows {
+  const E* base;
+  int64_t stride;
+  const int32_t* pages = nullptr;  // the sequence's block-table row, or null
+  int64_t page_size = 0, page_stride = 0;
+
+  const E* row(int64_t j) const {
+    return pages ? base + pages[j / page_size] * page_stride + j % page_size * stride : base + j * stride;
+  }
+  // The end of the run of rows that starts at j, at most `end`.
+  int64_t run_end(int64_t j, int64_t end) const {
+    if (!pages) return end;
+    const int64_t page_end = (j / page_size + 1) * page_size;
+    return page_end < end ? page_end : end;
+  }
+  // f(first row, index of that row from j0, rows in the run) for each run of [j0, j0 + n).
+  template <class F>
+  void for_each_run(int64_t j0, int64_t n, F&& f) const {
+    for (int64_t j = j0; j < j0 + n;) {
+      const int64_t e = run_end(j, j0 + n);
+      f(row(j), j - j0, e - j);
+      j = e;
+    }
+  }
+};
+
+// Keys [begin, end) of one row block or split.
+struct KeyRange {
+  int64_t begin, end;
+};
+
+// A tile of scores, key j of row r at s[j * key_stride + r * row_stride]: transposed (Sᵀ,
+// rows along the lanes) in the tile loop, row-major (keys along the lanes) for decode.
+struct Scores {
+  float* s;
+  int64_t key_stride, row_stride;
+  float& at(int64_t r, int64_t j) const { return s[j * key_stride + r * row_stride]; }
+};
+
+}  // namespace attnkit::cpu::ATTNKIT_ISA::fwd

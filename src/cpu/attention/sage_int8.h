@@ -1,0 +1,230 @@
+// Sage int8 attention on the tile loop: K prepared once per call (prepare_sage: smoothed
+// by its mean, int8 per tile, V as bf16 pairs), Q quantised per row as each task starts,
+// Sᵀ = K · Qᵀ on the codes (vpdpbusd, or exact fp32 FMAs on the integers elsewhere), and
+// the logits of rows or keys holding NaN or inf computed exactly.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "core/thread_pool.h"
+#include "cpu/attention/task.h"
+#include "cpu/kernels/convert.h"
+#include "cpu/kernels/gemm.h"
+#include "cpu/kernels/gemm_dot.h"
+#include "cpu/kernels/workspace.h"
+
+namespace attnkit::cpu::ATTNKIT_ISA::fwd {
+
+// Sage int8: Q rows quantised to int8 with one scale per row (the softmax scale folded
+// in), written as Qᵀ quads of s8 for vpdpbusd (or as floats of the codes elsewhere);
+// q_sum[r] = Σ codes corrects the +128 offset of the unsigned K codes. A row holding a
+// NaN or inf keeps zero codes and gets q_scale NaN: fix_nonfinite_logits computes its
+// logits exactly.
+template <DType T, DType TK>
+void AttentionTask<T, TK>::pack_q_int8(const RowBlock& rb, const Workspace& w) const {
+  const int64_t ld = plan_.rows_pad;
+  std::memset(w.qt, 0, sizeof(float) * plan_.d_pad * ld);
+  for (int64_t r = 0; r < ld; ++r) w.q_scale[r] = 0.0f, w.q_sum[r] = 0;
+  for (int64_t r = 0; r < rb.rows; ++r) {
+    float* row = w.k;  // free until the first key tile
+    load_row<T>(q_row(rb, r), p_.q_stride[3], p_.D, 1.0f, row);
+    for (int64_t d = p_.D; d < plan_.d_pad; ++d) row[d] = 0.0f;
+    // max |q| on the bits: for sign-cleared floats integer order is float order, and NaN
+    // and inf sort above every finite value.
+    vint amax_lanes{};
+    for (int64_t d = 0; d < plan_.d_pad; d += kLanes) {
+      const vint a = (vint)vload(row + d) & 0x7FFFFFFF;
+      amax_lanes = a > amax_lanes ? a : amax_lanes;
+    }
+    int32_t amax_bits = 0;
+    for (int i = 0; i < kLanes; ++i) amax_bits = amax_lanes[i] > amax_bits ? amax_lanes[i] : amax_bits;
+    if (amax_bits >= 0x7F800000) {  // NaN or inf
+      w.q_scale[r] = NAN;
+      continue;
+    }
+    float amax;
+    std::memcpy(&amax, &amax_bits, sizeof amax);
+    // At least the smallest subnormal: amax / 127 may underflow to 0 for tiny rows.
+    const float step =
+        amax > 0.0f ? std::fmax(amax / 127.0f, std::numeric_limits<float>::denorm_min()) : 1.0f;
+    w.q_scale[r] = step * p_.scale;
+    // codes = row / step rounded to nearest even (|codes| <= 127, so 1.5·2^23 rounds),
+    // written over the row.
+    int32_t* codes = reinterpret_cast<int32_t*>(row);
+    const vfloat vstep = vbroadcast(step);
+    vint sums{};
+    for (int64_t d = 0; d < plan_.d_pad; d += kLanes) {
+      const vint c = __builtin_convertvector((vload(row + d) / vstep + 12582912.0f) - 12582912.0f, vint);
+      sums += c;
+      std::memcpy(codes + d, &c, sizeof c);
+    }
+    int32_t sum = 0;
+    for (int i = 0; i < kLanes; ++i) sum += sums[i];
+    for (int64_t d = 0; d < p_.D; ++d) {
+      const int32_t code = codes[d];
+#if defined(ATTNKIT_ISA_avx512bf16)
+      reinterpret_cast<uint8_t*>(reinterpret_cast<uint32_t*>(w.qt) + d / 4 * ld + r)[d % 4] =
+          static_cast<uint8_t>(static_cast<int8_t>(code));
+#else
+      w.qt[d * ld + r] = static_cast<float>(code);
+#endif
+    }
+    w.q_sum[r] = sum;
+  }
+  if (p_.softcap != 0.0f) {  // the soft-cap needs the unsmoothed logits (apply_score_mods)
+    for (int64_t r = 0; r < ld; ++r) {
+      w.shift[r] = r < rb.rows ? lse_shift(rb, rb.h0 + r / rb.nq, rb.i0 + r % rb.nq) : 0.0f;
+    }
+  }
+}
+
+// Sᵀ[j][r] = (K codes · Q codes) · q_scale[r] · k_scale[tile]: exact integer dot products
+// (vpdpbusd, or fp32 FMAs on integers below 2^24 elsewhere), then one multiply.
+template <DType T, DType TK>
+void AttentionTask<T, TK>::qk_int8(const RowBlock& rb, int64_t j0, int64_t bc, const Workspace& w) const {
+  const int64_t ld = plan_.rows_pad, quads = kq_->quads, head = rb.b * p_.Hkv + rb.kvh;
+  const uint8_t* codes = kq_->codes + (head * p_.Skv + j0) * 4 * quads;
+  const float k_scale = kq_->scale[head * kq_->tiles + j0 / kKvTile];
+#if defined(ATTNKIT_ISA_avx512bf16)
+  int32_t* acc = reinterpret_cast<int32_t*>(w.st);
+  gemm_u8s8<kWideRows, kWideVecs>(bc, ld, quads, reinterpret_cast<const uint32_t*>(codes), quads,
+                                  reinterpret_cast<const uint32_t*>(w.qt), ld, acc, ld);
+  for (int64_t r = 0; r < ld; r += kLanes) {
+    vint offset;
+    std::memcpy(&offset, w.q_sum + r, sizeof offset);
+    offset *= 128;  // Σ (k + 128) q - 128 Σ q = Σ k q
+    const vfloat scale = vload(w.q_scale + r) * k_scale;
+    for (int64_t j = 0; j < bc; ++j) {
+      vint a;
+      std::memcpy(&a, acc + j * ld + r, sizeof a);
+      vstore(w.st + j * ld + r, __builtin_convertvector(a - offset, vfloat) * scale);
+    }
+  }
+#else
+  for (int64_t j = 0; j < bc; ++j) {
+    for (int64_t d = 0; d < p_.D; ++d)
+      w.k[j * p_.D + d] = static_cast<float>(int32_t{codes[j * 4 * quads + d]} - 128);
+  }
+  gemm<kWideRows, kWideVecs>(bc, ld, p_.D, w.k, p_.D, 1, w.qt, ld, w.st, ld, false);
+  for (int64_t r = 0; r < ld; r += kLanes) {
+    const vfloat scale = vload(w.q_scale + r) * k_scale;
+    for (int64_t j = 0; j < bc; ++j) vstore(w.st + j * ld + r, vload(w.st + j * ld + r) * scale);
+  }
+#endif
+}
+
+// Sᵀ[j][r] for the keys and query rows holding a NaN or inf (zero codes in qk_int8):
+// scale·q·k in fp32 as exact attention computes it. Each such logit is ±inf or NaN, so
+// the mean K was smoothed by does not matter for it: +inf or NaN poisons the row, -inf
+// drops the key, as in exact attention.
+template <DType T, DType TK>
+void AttentionTask<T, TK>::fix_nonfinite_logits(const RowBlock& rb, int64_t j0, int64_t bc,
+                                                const Workspace& w) const {
+  const int64_t ld = plan_.rows_pad, head = rb.b * p_.Hkv + rb.kvh;
+  const bool any_key = kq_->tile_nonfinite[head * kq_->tiles + j0 / kKvTile];
+  const uint8_t* bad_key = kq_->nonfinite + head * p_.Skv + j0;
+  const E* kbase = static_cast<const E*>(p_.k) + rb.b * p_.k_stride[0] + rb.kvh * p_.k_stride[1];
+  for (int64_t r = 0; r < rb.rows; ++r) {
+    const bool bad_row = std::isnan(w.q_scale[r]);
+    if (!bad_row && !any_key) continue;
+    const E* q = q_row(rb, r);
+    for (int64_t j = 0; j < bc; ++j) {
+      if (!bad_row && !bad_key[j]) continue;
+      const E* k = kbase + (j0 + j) * p_.k_stride[2];
+      float s = 0.0f;
+      for (int64_t d = 0; d < p_.D; ++d) {
+        s += Elem<T>::load(q[d * p_.q_stride[3]]) * p_.scale * Elem<T>::load(k[d * p_.k_stride[3]]);
+      }
+      w.st[j * ld + r] = s;
+    }
+  }
+}
+
+// lse of the unsmoothed logits: subtracting the key mean shifted row (h, i) by q · mean.
+template <DType T, DType TK>
+float AttentionTask<T, TK>::lse_shift(const RowBlock& rb, int64_t h, int64_t i) const {
+  const E* q = static_cast<const E*>(p_.q) + rb.b * p_.q_stride[0] + h * p_.q_stride[1] + i * p_.q_stride[2];
+  const float* mean = kq_->mean + (rb.b * p_.Hkv + rb.kvh) * p_.D;
+  float dot = 0.0f;
+  for (int64_t d = 0; d < p_.D; ++d) dot += Elem<T>::load(q[d * p_.q_stride[3]]) * mean[d];
+  return dot * p_.scale;
+}
+
+// Sage int8: one pass over K per (batch, kv head): the mean over its finite rows, then
+// int8 codes of (k - mean) with one scale (max |k - mean| / 127) per kKvTile keys; and,
+// where P·V runs on bf16 pairs, one pass over V packing consecutive keys into pairs. The
+// mean and k - mean are taken in double, so no finite key (up to float's max) overflows;
+// rows holding a NaN or inf are flagged and get zero codes (see QuantizedKeys).
+template <DType T>
+void prepare_sage(const AttentionParams& p, uint8_t* codes, float* scale, float* mean, uint32_t* v_pairs,
+                  uint8_t* nonfinite, uint8_t* tile_nonfinite, int64_t quads, int64_t tiles, int64_t dv_pad) {
+  using E = typename Elem<T>::type;
+  auto body = [&](int64_t head, int) {
+    const int64_t b = head / p.Hkv, kvh = head % p.Hkv;
+    const E* k = static_cast<const E*>(p.k) + b * p.k_stride[0] + kvh * p.k_stride[1];
+    float* mu = mean + head * p.D;
+    uint8_t* bad = nonfinite + head * p.Skv;
+    AlignedBuffer<float> tile(kKvTile * p.D > 2 * dv_pad ? kKvTile * p.D : 2 * dv_pad);
+    AlignedBuffer<double> sum(p.D);
+    std::memset(sum.data, 0, sizeof(double) * p.D);
+    int64_t finite_rows = 0;
+    for (int64_t j = 0; j < p.Skv; ++j) {
+      load_row<T>(k + j * p.k_stride[2], p.k_stride[3], p.D, 1.0f, tile.data);
+      bool finite = true;
+      for (int64_t d = 0; d < p.D; ++d) finite = finite && std::isfinite(tile.data[d]);
+      bad[j] = !finite;
+      if (!finite) continue;
+      ++finite_rows;
+      for (int64_t d = 0; d < p.D; ++d) sum.data[d] += tile.data[d];
+    }
+    for (int64_t d = 0; d < p.D; ++d)
+      mu[d] = finite_rows ? static_cast<float>(sum.data[d] / finite_rows) : 0.0f;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t j0 = t * kKvTile, n = p.Skv - j0 < kKvTile ? p.Skv - j0 : kKvTile;
+      double amax = 0.0;
+      tile_nonfinite[head * tiles + t] = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        float* row = tile.data + j * p.D;
+        load_row<T>(k + (j0 + j) * p.k_stride[2], p.k_stride[3], p.D, 1.0f, row);
+        if (bad[j0 + j]) {
+          tile_nonfinite[head * tiles + t] = 1;
+          continue;
+        }
+        for (int64_t d = 0; d < p.D; ++d) {
+          const double x = std::fabs(double{row[d]} - mu[d]);
+          amax = x > amax ? x : amax;
+        }
+      }
+      const double step = amax > 0.0 ? amax / 127.0 : 1.0;
+      scale[head * tiles + t] = static_cast<float>(step);
+      for (int64_t j = 0; j < n; ++j) {
+        uint8_t* dst = codes + (head * p.Skv + j0 + j) * 4 * quads;
+        const float* row = tile.data + j * p.D;
+        for (int64_t d = 0; d < 4 * quads; ++d) {  // |x| <= 127
+          const double x = d < p.D && !bad[j0 + j] ? (double{row[d]} - mu[d]) / step : 0.0;
+          dst[d] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(x)) + 128);
+        }
+      }
+    }
+#if defined(ATTNKIT_ISA_avx512bf16)
+    const E* v = static_cast<const E*>(p.v) + b * p.v_stride[0] + kvh * p.v_stride[1];
+    const int64_t pairs = (p.Skv + 1) / 2;
+    for (int64_t jp = 0; jp < pairs; ++jp) {  // rows 2jp and 2jp + 1 of V, zero-padded, as fp32 into tile
+      const int64_t n = 2 * jp + 1 < p.Skv ? 2 : 1;
+      std::memset(tile.data, 0, sizeof(float) * 2 * dv_pad);
+      for (int64_t j = 0; j < n; ++j) {
+        load_row<T>(v + (2 * jp + j) * p.v_stride[2], p.v_stride[3], p.Dv, 1.0f, tile.data + j * dv_pad);
+      }
+      pair_rows_bf16(tile.data, n, dv_pad, v_pairs + (head * pairs + jp) * dv_pad);
+    }
+#else
+    (void)v_pairs;
+#endif
+  };
+  detail::parallel_for(p.B * p.Hkv, detail::num_threads(), body);
+}
+
+}  // namespace attnkit::cpu::ATTNKIT_ISA::fwd

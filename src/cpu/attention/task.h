@@ -1,0 +1,227 @@
+// The attention forward's task: one row block (query rows sharing a kv head) over one
+// range of its keys. This file holds what every driver shares: the row block's rows and
+// keys, the kv-split merge and the epilogue (write_out); the member functions of the
+// drivers are defined in tile_loop.h, decode.h, bf16_pairs.h, scores.h and sage_int8.h.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu/attention/plan.h"
+#include "cpu/kernels/convert.h"
+#include "cpu/kernels/gemm.h"
+
+namespace attnkit::cpu::ATTNKIT_ISA::fwd {
+
+// TK is the dtype of K and V: T's, or float8 for paged caches (widened as they are packed).
+template <DType T, DType TK = T>
+class AttentionTask {
+  using E = typename Elem<T>::type;
+  using EK = typename Elem<TK>::type;
+
+ public:
+  AttentionTask(const AttentionParams& p, const Plan& plan, const QuantizedKeys* kq = nullptr)
+      : p_(p), plan_(plan), kq_(kq) {}
+
+  // Row block `index` of the sequence it belongs to.
+  RowBlock row_block(const Sequence& s, int64_t index) const {
+    // Consecutive tasks share a kv head, so its K and V stay in cache between them (cycling
+    // through all heads instead streamed shape A's 16 MB of fp32 K and V from memory and
+    // measured 7-20% slower); within a head, heavy first: the last query blocks (most keys
+    // under a causal mask) come first.
+    const int64_t local = index - s.first_row_block;
+    const int64_t per_kv = s.q_blocks * plan_.head_chunks;
+    const int64_t qb = s.q_blocks - 1 - local % per_kv / plan_.head_chunks;
+    const int64_t chunk = local % per_kv % plan_.head_chunks;
+    RowBlock rb;
+    rb.b = s.b, rb.kvh = local / per_kv;
+    rb.row0 = s.row0, rb.skv = s.skv, rb.offset = s.offset;
+    rb.i0 = qb * plan_.positions_per_task;
+    rb.nq = s.sq - rb.i0 < plan_.positions_per_task ? s.sq - rb.i0 : plan_.positions_per_task;
+    rb.h0 = rb.kvh * p_.group + chunk * plan_.heads_per_task;
+    const int64_t nh_left = (rb.kvh + 1) * p_.group - rb.h0;
+    rb.nh = nh_left < plan_.heads_per_task ? nh_left : plan_.heads_per_task;
+    rb.rows = rb.nh * rb.nq;
+    rb.mode = &plan_.mode(rb.rows);
+    rb.scale = p_.scale * (p_.k_scale ? p_.k_scale[rb.kvh * p_.k_scale_stride] : 1.0f);
+    rb.v_scale = p_.v_scale ? p_.v_scale[rb.kvh * p_.v_scale_stride] : 1.0f;
+    return rb;
+  }
+
+  // Row r of the block's queries: head h0 + r / nq at position i0 + r % nq.
+  const E* q_row(const RowBlock& rb, int64_t r) const {
+    return static_cast<const E*>(p_.q) + rb.b * p_.q_stride[0] + (rb.h0 + r / rb.nq) * p_.q_stride[1] +
+           (rb.row0 + rb.i0 + r % rb.nq) * p_.q_stride[2];
+  }
+
+  // Task = (row block, kv split). Without splits it writes the output directly; with
+  // splits it leaves its unnormalised state in its slot of `partial` for merge().
+  void run(int64_t task, float* workspace, float* partial) const {
+    const Sequence& s = plan_.sequence_of_task(task);
+    const int64_t local = task - s.first_task;
+    const RowBlock rb = row_block(s, s.first_row_block + local / s.kv_splits);
+    const int64_t split = local % s.kv_splits;
+    Workspace w(workspace, plan_, p_);
+    const KeyRange keys = visible_keys(rb);
+    const int64_t split_begin = keys.begin + split * s.kv_split_len;
+    const int64_t end = split_begin + s.kv_split_len < keys.end ? split_begin + s.kv_split_len : keys.end;
+    attend(rb, split_begin, end < split_begin ? split_begin : end, w);
+    if (s.kv_splits == 1) {
+      write_out(rb, w.o, w.m, w.l, w.v);
+      return;
+    }
+    float* slot = partial + (s.first_slot + local) * plan_.partial_floats;
+    std::memcpy(slot, w.o, sizeof(float) * rb.rows * plan_.dv_pad);
+    std::memcpy(slot + plan_.rows_pad * plan_.dv_pad, w.m, sizeof(float) * plan_.rows_pad);
+    std::memcpy(slot + plan_.rows_pad * (plan_.dv_pad + 1), w.l, sizeof(float) * plan_.rows_pad);
+  }
+
+  // Combines the kv splits of one row block: with M = max_s m_s, the row's sum is
+  // Σ_s l_s e^(m_s - M) and its output Σ_s o_s e^(m_s - M), exactly as one pass would.
+  // Row blocks without splits were written by run().
+  void merge(int64_t row_block_index, float* workspace, const float* partial) const {
+    const Sequence& s = plan_.sequence_of_row_block(row_block_index);
+    if (s.kv_splits == 1) return;
+    const RowBlock rb = row_block(s, row_block_index);
+    Workspace w(workspace, plan_, p_);
+    const int64_t dv_pad = plan_.dv_pad, rows_pad = plan_.rows_pad, splits = s.kv_splits;
+    const float* first =
+        partial + (s.first_slot + (row_block_index - s.first_row_block) * splits) * plan_.partial_floats;
+    for (int64_t r = 0; r < rb.rows; ++r) {
+      float mx = -INFINITY;
+      for (int64_t k = 0; k < splits; ++k) {
+        const float ms = first[k * plan_.partial_floats + rows_pad * dv_pad + r];
+        mx = ms > mx ? ms : mx;
+      }
+      float* o = w.o + r * dv_pad;
+      std::memset(o, 0, sizeof(float) * dv_pad);
+      float l = 0.0f;
+      // No split moved the max (no visible key, or only NaN scores, which never win the max):
+      // weigh against 0 as the online softmax does, so a NaN sum still reaches l.
+      const float m_ref = mx == -INFINITY ? 0.0f : mx;
+      for (int64_t k = 0; k < splits; ++k) {
+        const float* slot = first + k * plan_.partial_floats;
+        const float factor = std::exp(slot[rows_pad * dv_pad + r] - m_ref);
+        l += slot[rows_pad * (dv_pad + 1) + r] * factor;
+        const vfloat f = vbroadcast(factor);
+        for (int64_t d = 0; d < dv_pad; d += kLanes)
+          vstore(o + d, vload(o + d) + vload(slot + r * dv_pad + d) * f);
+      }
+      w.m[r] = mx;
+      w.l[r] = l;
+    }
+    write_out(rb, w.o, w.m, w.l, w.v);
+  }
+
+ private:
+  // The query at position i is aligned to key position i + key_offset: the causal limit, the
+  // window and ALiBi's distance all measure from there.
+  int64_t key_offset(const RowBlock& rb) const { return rb.offset; }
+
+  // Keys [begin, end) that some row of the block can see: up to the causal limit or the
+  // window's right edge of its last row, from the window's left edge of its first row
+  // rounded down to a multiple of 4 (one dropout draw covers 4 keys), or for sage to a tile
+  // border (its K scales and V pairs are per tile). Keys outside are never visited, so a
+  // window costs O(Sq · window).
+  KeyRange visible_keys(const RowBlock& rb) const {
+    const int64_t first = rb.i0 + key_offset(rb), last = first + rb.nq - 1;  // aligned positions
+    const int64_t align = plan_.int8 ? kKvTile : 4;
+    KeyRange keys{0, rb.skv};
+    if (p_.causal && last + 1 < keys.end) keys.end = last + 1;
+    if (p_.window_right >= 0 && last + p_.window_right + 1 < keys.end) keys.end = last + p_.window_right + 1;
+    if (p_.window_left >= 0 && first - p_.window_left > 0)
+      keys.begin = (first - p_.window_left) / align * align;
+    if (keys.end < keys.begin) keys.end = keys.begin;
+    return keys;
+  }
+
+  // The K (or V) rows of the block's sequence and kv head.
+  KvRows<EK> kv_rows(const void* data, const int64_t* stride, const RowBlock& rb) const {
+    const EK* base = static_cast<const EK*>(data) + rb.kvh * stride[1];
+    if (p_.block_table) {
+      return {base, stride[2], p_.block_table + rb.b * p_.block_table_stride, p_.block_size, stride[0]};
+    }
+    const int64_t first = p_.kv_begin ? p_.kv_begin[rb.b] : 0;
+    return {base + rb.b * stride[0] + first * stride[2], stride[2]};
+  }
+
+  // out = o / (l + e^(sink - m)) (times the cache's v_scale) in the output dtype (the sink
+  // term only with sinks), and lse = m + log(l), without the sink as in sparse MLA (-inf for
+  // rows that saw no key; their out is 0, sink or not). scratch holds Dv floats.
+  void write_out(const RowBlock& rb, const float* o_acc, const float* m, const float* ls,
+                 float* scratch) const {
+    E* out = static_cast<E*>(p_.out);
+    // Sage int8's m and l are of the logits smoothed by q·mean, unless the soft-cap put it back.
+    const bool shifted = kq_ && p_.softcap == 0.0f && (p_.lse || p_.sinks);
+    for (int64_t r = 0; r < rb.rows; ++r) {
+      const int64_t h = rb.h0 + r / rb.nq, i = rb.i0 + r % rb.nq;
+      const float l = ls[r];
+      const float shift = shifted ? lse_shift(rb, h, i) : 0.0f;
+      float denom = l;
+      if (p_.sinks && l > 0.0f) denom += std::exp(p_.sinks[h * p_.sinks_stride] - (m[r] + shift));
+      const float inv =
+          (denom > 0.0f ? 1.0f / denom : (l == 0.0f ? 0.0f : denom)) * rb.v_scale;  // denom is NaN or >= 1
+      const float* o = o_acc + r * plan_.dv_pad;
+      const int64_t row = rb.row0 + i;  // packed row (ragged batches), else the position
+      E* dst = out + rb.b * p_.out_stride[0] + h * p_.out_stride[1] + row * p_.out_stride[2];
+      if (rb.mode->v_split_bf16) {  // back to column order
+        unsplit_bf16_row(o, p_.Dv, scratch);
+        o = scratch;
+      }
+      store_row<T>(o, inv, p_.Dv, dst, p_.out_stride[3]);
+      if (p_.lse) {
+        p_.lse[rb.b * p_.lse_stride[0] + h * p_.lse_stride[1] + row * p_.lse_stride[2]] =
+            l == 0.0f ? -INFINITY : m[r] + std::log(l) + shift;
+      }
+    }
+  }
+
+  // The tile loop (tile_loop.h): Sᵀ = K · Qᵀ per tile of kKvTile keys, rows along the lanes.
+  void attend(const RowBlock& rb, int64_t begin, int64_t end, const Workspace& w) const;
+  void rescale_output(const RowBlock& rb, const Workspace& w) const;
+  void accumulate_pv(const RowBlock& rb, const KvRows<EK>& vrows, int64_t j0, int64_t bc, const Scores& p,
+                     const Workspace& w) const;
+  void pack_qt(const RowBlock& rb, const Workspace& w) const;
+  static void pack_rows(const KvRows<EK>& rows, int64_t j0, int64_t n, int64_t col_stride, int64_t cols,
+                        int64_t ld, float* dst);
+
+  // Decode (decode.h): key blocks of one vector, row-major scores.
+  void attend_rows(const RowBlock& rb, int64_t begin, int64_t end, const Workspace& w) const;
+  static void prefetch_rows(const KvRows<EK>& rows, int64_t first, int64_t end, int64_t cols);
+  void qk_key_block(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t n, float* s, int64_t lds,
+                    const Workspace& w) const;
+  void pack_q_rows(const RowBlock& rb, const Workspace& w) const;
+
+  // bf16 pairs for vdpbf16ps (bf16_pairs.h; empty on variants without it).
+  void pack_qt_pairs(const RowBlock& rb, const Workspace& w) const;
+  void qk_bf16(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t bc, const Workspace& w) const;
+  void pv_bf16(const RowBlock& rb, const KvRows<EK>& vrows, int64_t j0, int64_t bc, const Workspace& w) const;
+  void pack_q_row_pairs(const RowBlock& rb, const Workspace& w) const;
+  void qk_rows_bf16(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t n, bool in_place,
+                    float* s, int64_t lds, const Workspace& w) const;
+#if defined(ATTNKIT_ISA_avx512bf16)
+  static uint32_t pair(uint16_t lo, uint16_t hi);
+  void pack_pairs(const uint16_t* src, int64_t stride, uint32_t* dst) const;
+  uint32_t* pack_key_pairs(const KvRows<EK>& krows, int64_t j0, int64_t n, int64_t ld,
+                           const Workspace& w) const;
+#endif
+
+  // Masks, score modifiers and dropout on a tile of scores (scores.h).
+  void apply_masks(const RowBlock& rb, int64_t j0, int64_t bc, const Scores& st) const;
+  void apply_score_mods(const RowBlock& rb, int64_t j0, int64_t bc, const Scores& st,
+                        const Workspace& w) const;
+  void apply_dropout(const RowBlock& rb, int64_t j0, int64_t bc, const Scores& pt) const;
+
+  // Sage int8 (sage_int8.h).
+  void pack_q_int8(const RowBlock& rb, const Workspace& w) const;
+  void qk_int8(const RowBlock& rb, int64_t j0, int64_t bc, const Workspace& w) const;
+  void fix_nonfinite_logits(const RowBlock& rb, int64_t j0, int64_t bc, const Workspace& w) const;
+  float lse_shift(const RowBlock& rb, int64_t h, int64_t i) const;
+
+  const AttentionParams& p_;
+  const Plan& plan_;
+  const QuantizedKeys* kq_;  // sage int8 mode only
+};
+
+}  // namespace attnkit::cpu::ATTNKIT_ISA::fwd

@@ -1,0 +1,128 @@
+// The flash-style tile loop: per tile of kKvTile keys, Sᵀ = K · Qᵀ (keys × rows, so the
+// softmax runs down columns with rows as the SIMD axis), the modifiers and masks, the
+// online softmax, and O += P · V. K and V are read in place where their rows allow it
+// (fp32 of unit stride, bf16 pairs, bf16 V in split order), else converted once per tile,
+// and used by every row of the task. Sᵀ has three sources: the fp32 gemm, bf16 pairs
+// (bf16_pairs.h) and sage's int8 codes (sage_int8.h).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu/attention/task.h"
+#include "cpu/kernels/gemm.h"
+#include "cpu/kernels/softmax.h"
+#include "cpu/kernels/workspace.h"
+
+namespace attnkit::cpu::ATTNKIT_ISA::fwd {
+
+// Runs keys [begin, end) through the tile loop, leaving the rows' state in w.o, w.m, w.l.
+template <DType T, DType TK>
+void AttentionTask<T, TK>::attend(const RowBlock& rb, int64_t begin, int64_t end, const Workspace& w) const {
+  if (rb.mode->key_blocks) return attend_rows(rb, begin, end, w);
+  const int64_t ld = plan_.rows_pad;
+  const Scores scores{w.st, ld, 1};
+  if (plan_.int8) {
+    pack_q_int8(rb, w);
+  } else if (plan_.bf16_dot) {
+    pack_qt_pairs(rb, w);
+  } else {
+    pack_qt(rb, w);
+  }
+  std::memset(w.o, 0, sizeof(float) * rb.rows * plan_.dv_pad);
+  for (int64_t r = 0; r < ld; ++r) w.m[r] = -INFINITY, w.l[r] = 0.0f;
+
+  const KvRows<EK> krows = kv_rows(p_.k, p_.k_stride, rb), vrows = kv_rows(p_.v, p_.v_stride, rb);
+  for (int64_t j0 = begin; j0 < end; j0 += kKvTile) {
+    const int64_t bc = end - j0 < kKvTile ? end - j0 : kKvTile;
+    if (plan_.int8) {  // Sᵀ = K · Qᵀ on int8 codes, dequantised
+      qk_int8(rb, j0, bc, w);
+      fix_nonfinite_logits(rb, j0, bc, w);
+    } else if (plan_.bf16_dot) {  // Sᵀ = K · Qᵀ on bf16 pairs, then the scale
+      qk_bf16(rb, krows, j0, bc, w);
+    } else if (rb.mode->k_in_place) {  // Sᵀ = K · Qᵀ, a gemm per run of rows at one stride
+      krows.for_each_run(j0, bc, [&](const EK* k, int64_t first, int64_t n) {
+        gemm<kWideRows, kWideVecs>(n, ld, p_.D, reinterpret_cast<const float*>(k), krows.stride, 1, w.qt, ld,
+                                   w.st + first * ld, ld, false);
+      });
+    } else {
+      pack_rows(krows, j0, bc, p_.k_stride[3], p_.D, p_.D, w.k);
+      gemm<kWideRows, kWideVecs>(bc, ld, p_.D, w.k, p_.D, 1, w.qt, ld, w.st, ld, false);
+    }
+    apply_score_mods(rb, j0, bc, scores, w);
+    apply_masks(rb, j0, bc, scores);
+    online_softmax_tile(w.st, bc, ld, ld, w.m, w.l, w.alpha);
+    rescale_output(rb, w);
+    if (p_.dropout_p > 0.0f) apply_dropout(rb, j0, bc, scores);
+    if (rb.mode->pv_bf16) {
+      pv_bf16(rb, vrows, j0, bc, w);
+    } else {
+      accumulate_pv(rb, vrows, j0, bc, scores, w);
+    }
+  }
+}
+
+// O *= alpha, row by row, where the running max moved.
+template <DType T, DType TK>
+void AttentionTask<T, TK>::rescale_output(const RowBlock& rb, const Workspace& w) const {
+  for (int64_t r = 0; r < rb.rows; ++r) {
+    if (w.alpha[r] != 1.0f) scale_row(w.o + r * plan_.dv_pad, plan_.dv_pad, w.alpha[r]);
+  }
+}
+
+// O += P · V for keys j0 .. j0+bc-1, V read in place (bf16 in split order, fp32 of unit
+// stride) or packed.
+template <DType T, DType TK>
+void AttentionTask<T, TK>::accumulate_pv(const RowBlock& rb, const KvRows<EK>& vrows, int64_t j0, int64_t bc,
+                                         const Scores& p, const Workspace& w) const {
+  // Keys first .. first + n - 1 of the tile. Decode takes whole-row tiles (V read in
+  // address order), the tile loop tall ones.
+  auto gemm_pv = [&](const auto* v, int64_t ldv, int64_t first, int64_t n) {
+    const float* pf = p.s + first * p.key_stride;
+    if (rb.mode->key_blocks) {
+      gemm<kRowRows, kRowVecs>(rb.rows, plan_.dv_pad, n, pf, p.row_stride, p.key_stride, v, ldv, w.o,
+                               plan_.dv_pad, true);
+    } else {
+      gemm<kTallRows, kTallVecs>(rb.rows, plan_.dv_pad, n, pf, p.row_stride, p.key_stride, v, ldv, w.o,
+                                 plan_.dv_pad, true);
+    }
+  };
+  if (rb.mode->v_split_bf16 || plan_.v_in_place) {  // a gemm per run of rows at one stride
+    vrows.for_each_run(j0, bc, [&](const EK* v, int64_t first, int64_t n) {
+      if constexpr (TK == DType::bfloat16 || TK == DType::float32) gemm_pv(v, vrows.stride, first, n);
+    });
+  } else {
+    pack_rows(vrows, j0, bc, p_.v_stride[3], p_.Dv, plan_.dv_pad, w.v);
+    gemm_pv(static_cast<const float*>(w.v), plan_.dv_pad, 0, bc);
+  }
+}
+
+// Qᵀ [D][rows_pad], pre-multiplied by the softmax scale; padding rows are zero. Rows are
+// converted into w.k (free until the first key tile), then transposed.
+template <DType T, DType TK>
+void AttentionTask<T, TK>::pack_qt(const RowBlock& rb, const Workspace& w) const {
+  const int64_t lds = plan_.d_pad;
+  std::memset(w.k, 0, sizeof(float) * plan_.rows_pad * lds);
+  for (int64_t r = 0; r < rb.rows; ++r)
+    load_row<T>(q_row(rb, r), p_.q_stride[3], p_.D, rb.scale, w.k + r * lds);
+  transpose_matrix(w.k, lds, plan_.rows_pad, lds, w.qt, plan_.rows_pad);
+}
+
+// K or V rows j0 .. j0+n-1 of `cols` elements converted to fp32 [n][ld], zero-padded to
+// ld columns.
+template <DType T, DType TK>
+void AttentionTask<T, TK>::pack_rows(const KvRows<EK>& rows, int64_t j0, int64_t n, int64_t col_stride,
+                                     int64_t cols, int64_t ld, float* dst) {
+  rows.for_each_run(j0, n, [&](const EK* src, int64_t first, int64_t count) {
+    for (int64_t j = 0; j < count; ++j) {
+      prefetch_bytes(src, (j + kPrefetchRows) * rows.stride * int64_t{sizeof(EK)},
+                     cols * int64_t{sizeof(EK)});
+      float* row = dst + (first + j) * ld;
+      load_row<TK>(src + j * rows.stride, col_stride, cols, 1.0f, row);
+      for (int64_t c = cols; c < ld; ++c) row[c] = 0.0f;
+    }
+  });
+}
+
+}  // namespace attnkit::cpu::ATTNKIT_ISA::fwd
