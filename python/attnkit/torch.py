@@ -26,10 +26,10 @@ row with no attendable key gives 0 (as torch 2.13's CPU kernels do).
 
 import contextlib
 import threading
-import warnings
 
 import torch
 
+from ._warn import WarnOnce
 from .ops import attention, flag, real_scalar
 
 __all__ = ["scaled_dot_product_attention", "sdpa_override"]
@@ -41,17 +41,7 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MASK_DTYPES = (torch.bool, torch.float32, torch.float16, torch.bfloat16)
 _MAX_HEAD_DIM = 512
 
-_warned = set()
-_warn_lock = threading.Lock()
-
-
-def _warn_once(reason):
-    with _warn_lock:
-        if reason in _warned:
-            return
-        _warned.add(reason)
-    warnings.warn(f"attnkit.torch.scaled_dot_product_attention: {reason}; using torch's own kernel",
-                  stacklevel=3)
+_warn_once = WarnOnce("attnkit.torch.scaled_dot_product_attention", "using torch's own kernel")
 
 
 def _fallback_reason(query, key, value, attn_mask):

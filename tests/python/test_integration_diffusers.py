@@ -98,7 +98,7 @@ def test_sage_refuses_mask_and_dropout():
 
 def test_grad_falls_back_to_native():
     q = torch.randn(1, 8, 2, 16, requires_grad=True)
-    ak_df._warned.discard("inputs require grad and attnkit has no backward yet")
+    ak_df._warn_once.reasons.discard("inputs require grad and attnkit has no backward yet")
     with pytest.warns(UserWarning, match="attnkit has no backward yet; using diffusers' native backend"):
         out = ak_df.exact_attention(q, q, q)
     out.sum().backward()

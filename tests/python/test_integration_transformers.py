@@ -112,7 +112,7 @@ def test_minilm_mean_pooled_embeddings(minilm):
 def test_grad_mode_falls_back_with_a_warning(minilm):
     tok, models = minilm
     batch = tok(SENTENCES[:1], return_tensors="pt")
-    ak_tf._warned.discard("inputs require grad and attnkit has no backward yet")
+    ak_tf._warn_once.reasons.discard("inputs require grad and attnkit has no backward yet")
     with pytest.warns(UserWarning, match="attnkit has no backward yet; using transformers' sdpa"):
         out = models["attnkit"](**batch).last_hidden_state
     out.sum().backward()  # stock sdpa: the gradient exists

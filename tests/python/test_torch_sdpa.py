@@ -156,7 +156,7 @@ def test_fully_masked_row_is_zero(rng):
 
 
 def _fallback(reason, call):
-    ak._warned.discard(reason)
+    ak._warn_once.reasons.discard(reason)
     with pytest.warns(UserWarning, match=f"attnkit.torch.scaled_dot_product_attention: {reason}; "
                                          "using torch's own kernel"):
         first = call()
@@ -189,7 +189,7 @@ def test_large_head_dim_and_mask_dtype_fall_back(rng):
     _fallback("head dim over 512", lambda: ak.scaled_dot_product_attention(q, q, q))
     q = rand(rng, (1, 1, 3, 8))
     mask = torch.zeros(3, 3, dtype=torch.float64)
-    ak._warned.discard("attn_mask dtype float64")
+    ak._warn_once.reasons.discard("attn_mask dtype float64")
     with pytest.warns(UserWarning, match="attn_mask dtype float64"), pytest.raises(RuntimeError):
         ak.scaled_dot_product_attention(q, q, q, attn_mask=mask)  # torch rejects it too
 

@@ -18,26 +18,16 @@ diffusers' native backend, with a warning once.
 """
 
 import enum
-import threading
-import warnings
 
 import torch
 
 import attnkit
+from attnkit._warn import WarnOnce
 
 EXACT = "attnkit"
 SAGE = "attnkit_sage"
 
-_warned = set()
-_lock = threading.Lock()
-
-
-def _warn_once(reason):
-    with _lock:
-        if reason in _warned:
-            return
-        _warned.add(reason)
-    warnings.warn(f"attnkit's diffusers backend: {reason}; using diffusers' native backend", stacklevel=3)
+_warn_once = WarnOnce("attnkit's diffusers backend", "using diffusers' native backend")
 
 
 def _native_reason(query, key, value, attn_mask):

@@ -19,25 +19,14 @@ torch.inference_mode(), as generate() does), softcap, output_attentions, positio
 and anything attnkit cannot compute (float64, head dims over 512, tensors off the CPU).
 """
 
-import threading
-import warnings
-
 import torch
 
 import attnkit
+from attnkit._warn import WarnOnce
 
 NAME = "attnkit"
 
-_warned = set()
-_lock = threading.Lock()
-
-
-def _warn_once(reason):
-    with _lock:
-        if reason in _warned:
-            return
-        _warned.add(reason)
-    warnings.warn(f"attnkit's transformers attention: {reason}; using transformers' sdpa", stacklevel=3)
+_warn_once = WarnOnce("attnkit's transformers attention", "using transformers' sdpa")
 
 
 def _stock_reason(query, key, value, attention_mask, kwargs):
