@@ -12,9 +12,10 @@ diffusers keeps its backend names in a closed Enum (AttentionBackendName) and of
 to add one, so register() adds the two members to that Enum's member tables, the one step
 here that reaches into diffusers' internals; everything else uses its registry's public
 decorator. Tensors are [B, S, H, D], the dispatcher's layout, which attnkit reads in place
-(layout "BSHD"). Inputs that require grad in grad mode (attnkit has no backward yet) and
-what attnkit cannot compute (float64, tensors off the CPU, head dims over 512) go to
-diffusers' native backend, with a warning once.
+(layout "BSHD"). Training runs attnkit's backward on "attnkit" (dropout with a seed drawn
+from torch's generator); "attnkit_sage" has no backward, so inputs that require grad in grad
+mode go to diffusers' native backend there, as does what attnkit cannot compute (float64,
+tensors off the CPU, head dims over 512), with a warning once.
 """
 
 import enum
@@ -23,6 +24,7 @@ import torch
 
 import attnkit
 from attnkit._warn import WarnOnce
+from attnkit.integrations._training import dropout_seed, needs_backward
 
 EXACT = "attnkit"
 SAGE = "attnkit_sage"
@@ -30,7 +32,7 @@ SAGE = "attnkit_sage"
 _warn_once = WarnOnce("attnkit's diffusers backend", "using diffusers' native backend")
 
 
-def _native_reason(query, key, value, attn_mask):
+def _native_reason(query, key, value, attn_mask, has_backward):
     tensors = [query, key, value] + ([attn_mask] if attn_mask is not None else [])
     if any(t.device.type != "cpu" for t in tensors):
         return f"tensors on {query.device.type}"
@@ -38,8 +40,8 @@ def _native_reason(query, key, value, attn_mask):
         return f"dtype {str(query.dtype).removeprefix('torch.')}"
     if query.shape[-1] > 512 or value.shape[-1] > 512:
         return "head dim over 512"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return "inputs require grad and attnkit has no backward yet"
+    if not has_backward and needs_backward(*tensors):
+        return "inputs require grad and attnkit_sage has no backward"
     return None
 
 
@@ -59,13 +61,14 @@ def exact_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
                     enable_gqa=False, return_lse=False, _parallel_config=None):
     """The "attnkit" backend: [B, S, H, D] in and out; lse [B, H, S] with return_lse."""
     _no_context_parallel(_parallel_config)
-    reason = _native_reason(query, key, value, attn_mask)
+    reason = _native_reason(query, key, value, attn_mask, has_backward=True)
     if reason is not None:
         _warn_once(reason)
         return _native(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse)
     return attnkit.attention(query, key, value, attn_mask=attn_mask, causal=bool(is_causal), scale=scale,
-                             dropout_p=dropout_p, enable_gqa=query.shape[2] != key.shape[2] or enable_gqa,
-                             layout="BSHD", return_lse=return_lse)
+                             dropout_p=dropout_p, seed=dropout_seed(dropout_p),
+                             enable_gqa=query.shape[2] != key.shape[2] or enable_gqa, layout="BSHD",
+                             return_lse=return_lse)
 
 
 def sage_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -76,7 +79,7 @@ def sage_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
         raise ValueError("attn_mask is not supported by the attnkit_sage backend")
     if dropout_p:
         raise ValueError(f"dropout_p={dropout_p} is not supported by the attnkit_sage backend")
-    reason = _native_reason(query, key, value, None)
+    reason = _native_reason(query, key, value, None, has_backward=False)
     if reason is not None:
         _warn_once(reason)
         return _native(query, key, value, None, 0.0, is_causal, scale, False, return_lse)

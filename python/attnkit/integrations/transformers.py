@@ -11,18 +11,20 @@ The attention function follows transformers' sdpa_attention_forward: query/key/v
 [B, H, S, D] in, [B, S, H, D] out; GQA served natively (no repeat_kv); is_causal taken from
 the call or the module, only for prefill without a mask; dropout as given (transformers
 passes 0 in eval). The output is written straight into a [B, S, H, D] tensor, so nothing is
-transposed or copied afterwards.
+transposed or copied afterwards. Training (inputs that require grad, in grad mode) runs
+attnkit's backward: the dense masked path without out=, dropout with a seed drawn from
+torch's generator.
 
 What it does not serve goes to transformers' own sdpa function, with a warning once:
-inputs that require grad in grad mode (attnkit has no backward yet: use torch.no_grad() or
-torch.inference_mode(), as generate() does), softcap, output_attentions, position_bias,
-and anything attnkit cannot compute (float64, head dims over 512, tensors off the CPU).
+softcap, output_attentions, position_bias, and anything attnkit cannot compute (float64,
+head dims over 512, tensors off the CPU).
 """
 
 import torch
 
 import attnkit
 from attnkit._warn import WarnOnce
+from attnkit.integrations._training import dropout_seed, needs_backward
 
 NAME = "attnkit"
 
@@ -44,8 +46,6 @@ def _stock_reason(query, key, value, attention_mask, kwargs):
         return f"dtype {str(query.dtype).removeprefix('torch.')}"
     if query.shape[-1] > 512 or value.shape[-1] > 512:
         return "head dim over 512"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return "inputs require grad and attnkit has no backward yet"
     return None
 
 
@@ -73,7 +73,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 def _dense(query, key, value, mask, causal, scaling, dropout, gqa, out_shape):
     """One attention call, output written in place in [B, S, H, Dv]. A batch whose mask only
     pads keys on the right (an encoder's padded batch) runs as a varlen batch that never
-    reads the padding; anything else attends densely through the mask."""
+    reads the padding; anything else attends densely through the mask. Training takes the
+    dense path and returns a new tensor (autograd records no out= call)."""
+    if needs_backward(query, key, value):
+        out = attnkit.attention(query, key, value, attn_mask=mask, causal=causal, scale=scaling,
+                                dropout_p=float(dropout), seed=dropout_seed(dropout), enable_gqa=gqa)
+        return out.transpose(1, 2).contiguous()
     out = query.new_empty(out_shape)  # [B, S, H, Dv]: transformers' layout, written in place
     lengths = None if causal or dropout else _right_padding(mask)
     if lengths is not None:
