@@ -51,12 +51,58 @@ def test_labels_and_per_instruction_peak():
 
     res = run_bench("--shape", "A", "--dtype", "bfloat16", "--threads", "1", "--repeats", "1", "--budget", "1")
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "peak of" in res.stdout and "ok (err " in res.stdout
+    assert "% of path peak" in res.stdout and "ok (err " in res.stdout
     assert "E = max |out - ref| / rms(ref)" in res.stdout
     row = next(line for line in res.stdout.splitlines() if re.match(r"\s+1\s+attnkit\s", line))
-    assert ("bf16 dot" if attnkit.get_isa() == "avx512bf16" else "fp32 FMA") in row
+    assert re.search(r"\d% of " + ("vdpbf16ps" if attnkit.get_isa() == "avx512bf16" else "fp32 FMA"), row), row
     cited = re.findall(r"protocol:\s+([\w/.]+\.md)", run_bench("--help").stdout)
     assert cited and all(os.path.exists(os.path.join(os.path.dirname(__file__), "..", "..", c)) for c in cited)
+
+
+def test_every_instruction_peak_is_reported():
+    """The machine line gives each instruction's measured peak per thread count, n/a where the
+    CPU lacks it; a forced variant's rows name its own path (avx512vnni: bf16 on fp32 FMAs,
+    int8 Sage on vpdpbusd+vdpbf16ps)."""
+    import os
+
+    import attnkit
+    from attnkit import _C
+
+    res = run_bench("--op", "sage", "--shape", "B=1,H=2,S=128,D=64", "--dtype", "bfloat16", "--threads", "1",
+                    "--repeats", "1", "--budget", "1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    head = res.stdout.splitlines()[0]
+    for name in _C.peak_instructions():
+        measured = re.search(re.escape(name) + r" 1 thr (\d+) G(FL)?OP/s", head)
+        assert measured or f"{name} n/a" in head, head
+        assert bool(measured) == (_C.measure_peak_gflops(name, 1) > 0), head
+    if "avx512vnni" not in attnkit.supported_isas():
+        return
+    env = {**os.environ, "ATTNKIT_ISA": "avx512vnni"}
+    res = subprocess.run([sys.executable, "-m", "attnkit.bench", "--quick", "--no-progress", "--op", "sage", "--shape",
+                          "B=1,H=2,S=128,D=64", "--dtype", "bfloat16", "--threads", "1", "--repeats", "1", "--budget",
+                          "1"], capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = {line.split()[1]: line for line in res.stdout.splitlines() if re.match(r"\s+1\s+\S", line)}
+    assert "% of vpdpbusd+vdpbf16ps" in rows["attnkit-sage-int8"], rows
+    assert "% of fp32 FMA" in rows["attnkit-exact"], rows
+
+
+@pytest.mark.parametrize("peer,module", [("openvino", "openvino"), ("onnxruntime", "onnxruntime")])
+def test_optional_peers_verify(peer, module):
+    """OpenVINO and ONNX Runtime (attnkit[peers]) are verified against the float64 reference
+    and attnkit before timing: GQA (OpenVINO on repeated K/V), causal, odd sizes, fp32 and
+    bf16 (ONNX Runtime on float16 copies, named so)."""
+    pytest.importorskip(module)
+    if module == "onnxruntime":
+        pytest.importorskip("onnx")
+    res = run_bench("--shape", "B=2,Hq=6,Hkv=2,S=77,D=40,causal", "--shape", "B=1,H=3,Sq=5,Skv=130,D=64",
+                    "--dtype", "float32,bfloat16", "--threads", "1", "--repeats", "1", "--budget", "1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = [line for line in res.stdout.splitlines() if re.match(r"\s+1\s+" + peer, line)]
+    assert len(rows) == 4 and all(" ok (err " in r for r in rows), res.stdout
+    if peer == "onnxruntime":
+        assert sum("onnxruntime-fp16" in r for r in rows) == 2, rows
 
 
 def test_call_overhead_row():

@@ -164,10 +164,11 @@ def main(argv=None) -> int:
     rows = run(op, cases, threads, mach, settings, progress, notes)
     machine_mod.measure(threads, progress, mach)  # again after the run; keeps the best
     progress.done()
-    peak_of = getattr(op, "peak_of", lambda r: ("fp32 FMA", 1.0))
+    peak_of = getattr(op, "peak_of", lambda r: machine_mod.FP32_FMA)
     for r in rows:
-        r.peak_of, factor = peak_of(r)
-        r.peak_gflops, r.read_gbs = mach.peak_gflops[r.threads] * factor, mach.read_gbs[r.threads]
+        path = peak_of(r)
+        r.peak_of, r.peak_gflops = machine_mod.path_label(path), mach.path_peak(path, r.threads)
+        r.read_gbs = mach.read_gbs[r.threads]
     elapsed = time.perf_counter() - t0
 
     quick = f", quick ({getattr(op, 'quick_note', 'sequence lengths / 4')})" if args.quick else ""
@@ -175,12 +176,14 @@ def main(argv=None) -> int:
     print(f"op {op.name}: {len(cases)} case(s), threads {', '.join(map(str, threads))}"
           f"{quick}; median of "
           f"{settings.repeats} interleaved rounds (fewer where the budget is short); "
-          f"ratio = contender time / attnkit time (>1: attnkit faster); % peak = of the peak of "
-          f"the instruction the row's path runs ('peak of'): the fp32 FMA peak measured above "
-          f"for the same thread count, x2 for bf16 dot (vdpbf16ps), x4 for int8 dot (vpdpbusd), "
-          f"by instruction width (modelled, not measured); verify: 'ok (err E)' with E = "
-          f"max |out - ref| / rms(ref) over the checked subset against the float64 reference "
-          f"(peers: the larger of that and the same against attnkit's output)")
+          f"ratio = contender time / attnkit time (>1: attnkit faster); % of path peak = of the "
+          f"peak measured above, for the same thread count, of the instruction the row's path "
+          f"runs on (a mixed path: its FLOP shares each at its instruction's peak); verify: "
+          f"'ok (err E)' with E = max |out - ref| / rms(ref) over the checked subset against the "
+          f"float64 reference (peers: the larger of that and the same against attnkit's output)")
+    rule = mach.bf16_rule_check()
+    if rule:
+        print(f"note: {rule}")
     if settings.inject_error:
         print("note: --inject-error: attnkit's output is perturbed before verification")
     for n in notes:
