@@ -44,7 +44,7 @@ def exact_peak_of(row):
 
     if row.case.dtype != "bfloat16" or row.contender == "attnkit-generic":
         return FP32_FMA
-    if row.contender.startswith("attnkit"):
+    if row.role != "peer" or row.contender.startswith("attnkit"):  # attnkit's, modifiers included
         return bf16_dot_of(attnkit.get_isa())
     if row.contender == "onnxruntime-fp16":
         return FP32_FMA  # float16 through fp32 on CPUs without AVX512-FP16 (MLAS; assumed)

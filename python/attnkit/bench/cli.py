@@ -71,7 +71,7 @@ def build_parser(ops) -> argparse.ArgumentParser:
                         "below 3 (quick: 2) (default: 60, quick: 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--csv", metavar="FILE", help="write every row to a CSV file")
-    p.add_argument("--plot", metavar="FILE.png", help="bar charts of %% peak and peer ratios")
+    p.add_argument("--plot", metavar="FILE.png", help="bar charts of %% of path peak and peer ratios")
     p.add_argument("--accuracy", action="store_true",
                    help="no timing: accuracy against a float64 reference over all heads, exit 1 if "
                         "the op's accuracy contract fails (ops with an accuracy mode: sage; "
@@ -192,8 +192,8 @@ def main(argv=None) -> int:
     print(format_tables(rows))
 
     if any(r.timed and r.pct_peak > 100 for r in rows):
-        print("note: % peak above 100 means the peak measurement was slowed by other load on "
-              "this machine; ratios in the same run still hold")
+        print("note: % of path peak above 100 means the peak measurement was slowed by other load on "
+              "this machine (or the row's path is not the one named); ratios in the same run still hold")
     failed = [r for r in rows if r.status == "FAILED"]
     if args.csv:
         write_csv(args.csv, rows)
