@@ -27,19 +27,20 @@ void check_threads(int threads) {
   }
 }
 
-// Calibrate one thread to ~50 ms, then run every thread for the same count; the best of
-// five runs is the peak (interference only ever slows a run down).
+// Calibrate one thread to ~10 ms, then run every thread for the same count; the best of 20
+// runs is the peak (interference only ever slows a run down, and on a shared machine short
+// runs more often find the cores free).
 double measure_loop_gflops(int threads, float (*loop)(int64_t), int64_t flops_per_iter) {
   int64_t iters = 1 << 16;
   for (;;) {
     const auto t0 = Clock::now();
     loop(iters);
-    if (seconds_since(t0) > 0.05 || iters > (int64_t{1} << 40)) break;
+    if (seconds_since(t0) > 0.01 || iters > (int64_t{1} << 40)) break;
     iters *= 2;
   }
   std::vector<float> sink(threads);
   double best = 0.0;
-  for (int rep = 0; rep < 5; ++rep) {
+  for (int rep = 0; rep < 20; ++rep) {
     auto body = [&](int64_t task, int) { sink[task] = loop(iters); };
     const auto t0 = Clock::now();
     detail::parallel_for(threads, threads, body);
