@@ -125,3 +125,20 @@ def test_dsa_op_wrong_result_is_reported():
     res = run_bench("--op", "dsa", "--shape", "D,b=2,h=16,topk=256,s_k=1000", "--threads", "1", "--repeats", "1",
                     "--budget", "1", "--inject-error")
     assert res.returncode == 1 and "FAILED" in res.stdout, res.stdout + res.stderr
+
+
+def test_path_peak_mixes_measured_rates():
+    """A mixed path's peak: its FLOP shares each at its instruction's measured rate (time
+    adds up); n/a (nan) when one instruction is not on the machine; labels name them all."""
+    import math
+
+    from attnkit.bench.machine import Machine, path_label
+
+    m = Machine("cpu", 2, 1 << 25, "avx512bf16", ["avx512bf16"], "0", "torch",
+                peaks={"fp32 FMA": {1: 100.0}, "vdpbf16ps": {1: 200.0}, "vpdpbusd": {1: 400.0}, "fp16 FMA": {1: 0.0}})
+    assert m.path_peak("vdpbf16ps", 1) == 200.0
+    assert math.isclose(m.path_peak((("vpdpbusd", 128), ("vdpbf16ps", 128)), 1), 2 / (1 / 400 + 1 / 200))
+    assert math.isclose(m.path_peak((("vdpbf16ps", 576), ("fp32 FMA", 512)), 1), 1088 / (576 / 200 + 512 / 100))
+    assert math.isnan(m.path_peak("fp16 FMA", 1)) and math.isnan(m.path_peak("fp32 FMA", 2))
+    assert path_label((("vpdpbusd", 1), ("vdpbf16ps", 1))) == "vpdpbusd+vdpbf16ps"
+    assert "fp16 FMA n/a" in m.peaks_text() and "vpdpbusd 1 thr 400 GOP/s" in m.peaks_text()
