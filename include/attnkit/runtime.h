@@ -38,21 +38,30 @@ class ScopedInterruptPoll {
   void* previous_context_;
 };
 
-// Kernel variants by instruction set. The best one this CPU supports is chosen at load;
-// ATTNKIT_ISA=avx512bf16|avx512|avx2|generic overrides it (a value naming no variant
-// runnable here is reported once on stderr and the best one used), and so does set_isa.
-// An op reads the choice once when it starts, so set_isa never affects a running op.
-// avx512bf16 differs from avx512 only for bf16 attention, whose Q·Kᵀ it computes with
-// vdpbf16ps (exact bf16 products, fp32 sums); P·V stays in fp32 as everywhere else.
+// Kernel variants by instruction set. The one fastest on this CPU is chosen at load: the
+// widest it supports, except that on Intel family-6 CPUs (Sapphire/Emerald Rapids, ...),
+// whose vdpbf16ps runs at half the fp32 FMA rate, avx512vnni comes before avx512bf16 (see
+// isa_rule). ATTNKIT_ISA=avx512bf16|avx512vnni|avx512|avx2|generic overrides it (a value
+// naming no variant runnable here is reported once on stderr and the default used), and so
+// does set_isa. An op reads the choice once when it starts, so set_isa never affects a
+// running op. avx512bf16 is avx512 plus vdpbf16ps for bf16 inputs (exact bf16 products, fp32
+// sums) and vpdpbusd for int8 Sage; avx512vnni is avx512 (bf16 converted to fp32 for FMAs)
+// with avx512bf16's int8 Sage; both need a CPU with AVX512_BF16 and AVX512_VNNI.
 std::string active_isa();
 std::vector<std::string> supported_isas();  // built and runnable here, best first
 void set_isa(const std::string& name);       // throws Error if not supported here
+std::string isa_rule();  // the default variant and why, e.g. "avx512bf16: AuthenticAMD family 26 ..."
 
-// This machine's limits, measured with the active ISA on `threads` pool threads
-// (1 <= threads <= get_num_threads()): the fp32 FMA rate and the streaming read rate.
-double measure_fma_peak_gflops(int threads);
-// The vdpbf16ps rate (bf16 pairs, fp32 sums) where the active ISA has it (avx512bf16), else 0.
-double measure_bf16_dot_peak_gflops(int threads);
+// This machine's limits on `threads` pool threads (1 <= threads <= get_num_threads()).
+// measure_peak_gflops: the rate of one instruction in independent chains, in GFLOP/s (GOP/s
+// for vpdpbusd), counting 2 per multiply-add: "fp32 FMA" (vfmadd231ps at the active ISA's
+// width, 2 per fp32 lane), "vdpbf16ps" (4 per fp32 lane: 2 bf16 products), "vpdpbusd" (8 per
+// int32 lane: 4 u8 × s8 products), "fp16 FMA" (vfmadd231ph, 2 per fp16 lane); 0 where this CPU
+// or build lacks the instruction; throws Error for another name. The read rate streams a
+// buffer far larger than the last-level cache.
+std::vector<std::string> peak_instructions();
+double measure_peak_gflops(const std::string& instruction, int threads);
+double measure_fma_peak_gflops(int threads);  // measure_peak_gflops("fp32 FMA", threads)
 double measure_read_bandwidth_gbs(int threads);
 
 std::string version();

@@ -440,6 +440,10 @@ NB_MODULE(_C, m) {
   m.def("active_isa", &attnkit::active_isa);
   m.def("supported_isas", &attnkit::supported_isas);
   m.def("set_isa", &attnkit::set_isa, "name"_a);
+  m.def("isa_rule", &attnkit::isa_rule);
+  m.def("peak_instructions", &attnkit::peak_instructions);
+  m.def("measure_peak_gflops", &attnkit::measure_peak_gflops, "instruction"_a, "threads"_a,
+        nb::call_guard<nb::gil_scoped_release>());
   m.def("measure_fma_peak_gflops", &attnkit::measure_fma_peak_gflops, "threads"_a,
         nb::call_guard<nb::gil_scoped_release>());
   m.def("measure_read_bandwidth_gbs", &attnkit::measure_read_bandwidth_gbs, "threads"_a,
@@ -459,6 +463,4 @@ NB_MODULE(_C, m) {
         "block_table"_a, "max_context_len"_a, "clean_logits"_a, "logits"_a);
   m.def("topk_transform", &topk_transform, "logits"_a, "lengths"_a, "topk"_a, "row_starts"_a.none(),
         "offsets"_a.none(), "page_table"_a.none(), "page_size"_a, "row_to_batch"_a.none(), "out"_a);
-  m.def("measure_bf16_dot_peak_gflops", &attnkit::measure_bf16_dot_peak_gflops, "threads"_a,
-        nb::call_guard<nb::gil_scoped_release>());
 }

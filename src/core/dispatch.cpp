@@ -1,12 +1,18 @@
-// CPU feature detection and the ISA dispatch table. The best variant this CPU runs is
-// chosen once; ATTNKIT_ISA or set_isa() may pick a lower one (tests run every variant).
+// CPU feature detection and the ISA dispatch table. The variant that is fastest on this CPU
+// is chosen once, by its features and a per-vendor rule for bf16 (below); ATTNKIT_ISA or
+// set_isa() may pick another runnable one (tests run every variant).
 #include "core/dispatch.h"
 
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 
 #include "attnkit/error.h"
 #include "attnkit/runtime.h"
@@ -22,31 +28,89 @@ struct Variant {
 
 bool cpu_has(const char* feature);
 
-// Best first.
-const std::vector<Variant>& variants() {
-  static const std::vector<Variant> all = {
+struct CpuId {
+  std::string vendor;  // "GenuineIntel", "AuthenticAMD", ... ("" off x86)
+  int family = 0, model = 0;
+};
+
+// Vendor, and family and model as the kernel reports them (base + extended fields).
+CpuId cpu_id() {
+  CpuId id;
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned a, b, c, d;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return id;
+  char vendor[13] = {};
+  std::memcpy(vendor, &b, 4);
+  std::memcpy(vendor + 4, &d, 4);
+  std::memcpy(vendor + 8, &c, 4);
+  id.vendor = vendor;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return id;
+  const int base_family = (a >> 8) & 0xF, base_model = (a >> 4) & 0xF;
+  id.family = base_family == 0xF ? base_family + static_cast<int>((a >> 20) & 0xFF) : base_family;
+  id.model = base_family == 0x6 || base_family == 0xF ? static_cast<int>(((a >> 16) & 0xF) << 4) + base_model
+                                                      : base_model;
+#endif
+  return id;
+}
+
+std::string describe(const CpuId& id) {
+  if (id.vendor.empty()) return "a CPU without cpuid";
+  return id.vendor + " family " + std::to_string(id.family) + " model " + std::to_string(id.model);
+}
+
+// The bf16 rule: Intel's family-6 cores with AVX512_BF16 (Cooper Lake, Sapphire, Emerald and
+// Granite Rapids) run vdpbf16ps at about half their fp32 FMA rate (measured on Emerald
+// Rapids: 88 vs 180 GFLOP/s per core), so bf16 inputs are faster converted to fp32 for FMAs
+// there; AMD Zen 4 and Zen 5 run it at 1.75-1.84x the fp32 rate. Decided by cpuid alone, so
+// the choice is the same on every run; the benchmark measures both peaks and says when a
+// machine disagrees with the rule.
+bool bf16_dot_slower_than_fma(const CpuId& id) { return id.vendor == "GenuineIntel" && id.family == 6; }
+
 #if ATTNKIT_HAVE_AVX512BF16
-      {&cpu::avx512bf16::kernel_table, &cpu::avx512bf16::probe_table,
-       [] {
-         return cpu_has("avx512f") && cpu_has("avx512bw") && cpu_has("avx512vl") &&
-                cpu_has("avx512dq") && cpu_has("avx2") && cpu_has("fma") && cpu_has("f16c") &&
-                cpu_has("bmi2") && cpu_has("avx512bf16") && cpu_has("avx512vnni");
-       }},
+bool avx512bf16_runnable() {
+  return cpu_has("avx512f") && cpu_has("avx512bw") && cpu_has("avx512vl") && cpu_has("avx512dq") &&
+         cpu_has("avx2") && cpu_has("fma") && cpu_has("f16c") && cpu_has("bmi2") && cpu_has("avx512bf16") &&
+         cpu_has("avx512vnni");
+}
+
+// avx512vnni: avx512's kernels (bf16 inputs converted to fp32 for FMAs) with avx512bf16's
+// int8 Sage (Q·Kᵀ on vpdpbusd; its P·V stays on vdpbf16ps), for the CPUs of the bf16 rule.
+// Entries added to KernelTable come from avx512 unless listed here.
+const cpu::KernelTable avx512vnni_table = [] {
+  cpu::KernelTable t = cpu::avx512::kernel_table;
+  t.isa = "avx512vnni";
+  t.sage_int8_fwd = cpu::avx512bf16::kernel_table.sage_int8_fwd;
+  return t;
+}();
+#endif
+
+// Best first for this CPU: avx512vnni before avx512bf16 where the bf16 rule holds.
+const std::vector<Variant>& variants() {
+  static const std::vector<Variant> all = [] {
+    std::vector<Variant> v;
+#if ATTNKIT_HAVE_AVX512BF16
+    const Variant bf16{&cpu::avx512bf16::kernel_table, &cpu::avx512bf16::probe_table, &avx512bf16_runnable};
+    const Variant vnni{&avx512vnni_table, &cpu::avx512bf16::probe_table, &avx512bf16_runnable};
+    if (bf16_dot_slower_than_fma(cpu_id())) {
+      v.insert(v.end(), {vnni, bf16});
+    } else {
+      v.insert(v.end(), {bf16, vnni});
+    }
 #endif
 #if ATTNKIT_HAVE_AVX512
-      {&cpu::avx512::kernel_table, &cpu::avx512::probe_table,
-       [] {
-         return cpu_has("avx512f") && cpu_has("avx512bw") && cpu_has("avx512vl") &&
-                cpu_has("avx512dq") && cpu_has("avx2") && cpu_has("fma") && cpu_has("f16c") &&
-                cpu_has("bmi2");
-       }},
+    v.push_back({&cpu::avx512::kernel_table, &cpu::avx512::probe_table, [] {
+                   return cpu_has("avx512f") && cpu_has("avx512bw") && cpu_has("avx512vl") &&
+                          cpu_has("avx512dq") && cpu_has("avx2") && cpu_has("fma") && cpu_has("f16c") &&
+                          cpu_has("bmi2");
+                 }});
 #endif
 #if ATTNKIT_HAVE_AVX2
-      {&cpu::avx2::kernel_table, &cpu::avx2::probe_table,
-       [] { return cpu_has("avx2") && cpu_has("fma") && cpu_has("f16c") && cpu_has("bmi2"); }},
+    v.push_back({&cpu::avx2::kernel_table, &cpu::avx2::probe_table,
+                 [] { return cpu_has("avx2") && cpu_has("fma") && cpu_has("f16c") && cpu_has("bmi2"); }});
 #endif
-      {&cpu::generic::kernel_table, &cpu::generic::probe_table, [] { return true; }},
-  };
+    v.push_back({&cpu::generic::kernel_table, &cpu::generic::probe_table, [] { return true; }});
+    return v;
+  }();
   return all;
 }
 
@@ -121,6 +185,15 @@ std::atomic<const Variant*>& active() {
 const cpu::KernelTable& detail::kernels() { return *active().load()->table; }
 const cpu::ProbeTable& detail::probes() { return *active().load()->probes; }
 
+cpu::PeakLoop detail::peak_loop(cpu::PeakLoop cpu::ProbeTable::*instruction) {
+  if (instruction == &cpu::ProbeTable::fp32_fma) return probes().fp32_fma;  // the active width
+  if (instruction == &cpu::ProbeTable::fp16_fma && !cpu_has("avx512fp16")) return {};
+  for (const Variant& v : variants()) {
+    if (v.runnable() && (v.probes->*instruction).loop) return v.probes->*instruction;
+  }
+  return {};
+}
+
 std::string active_isa() { return detail::kernels().isa; }
 
 std::vector<std::string> supported_isas() {
@@ -138,6 +211,25 @@ void set_isa(const std::string& name) {
                 "\"");
   }
   active().store(v);
+}
+
+std::string isa_rule() {
+  const CpuId id = cpu_id();
+  for (const Variant& v : variants()) {
+    if (!v.runnable()) continue;
+    const std::string name = v.table->isa;
+    if (name == "avx512vnni") {
+      return name + ": " + describe(id) +
+             " runs vdpbf16ps at about half the fp32 FMA rate (Intel family 6), so bf16 inputs are "
+             "converted to fp32 for FMAs; int8 Sage keeps vpdpbusd";
+    }
+    if (name == "avx512bf16") {
+      return name + ": " + describe(id) +
+             " has AVX512_BF16 and is not Intel family 6, so bf16 inputs run on vdpbf16ps";
+    }
+    return name + ": the widest variant " + describe(id) + " runs";
+  }
+  return "generic";
 }
 
 std::string cpu_features() {

@@ -8,5 +8,8 @@ namespace attnkit::detail {
 // The table of the active ISA (chosen at first use; see runtime.h for the overrides).
 const cpu::KernelTable& kernels();
 const cpu::ProbeTable& probes();
+// The loop measuring `instruction`'s peak: the active variant's fp32 FMA loop (its width);
+// for the others the first runnable variant's, where the CPU runs it; else an empty loop.
+cpu::PeakLoop peak_loop(cpu::PeakLoop cpu::ProbeTable::*instruction);
 
 }  // namespace attnkit::detail

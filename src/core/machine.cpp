@@ -1,5 +1,6 @@
-// Measures this machine's fp32 FMA (and vdpbf16ps) peak and read bandwidth with the active ISA's probe
-// loops, on a given number of pool threads (see attnkit/runtime.h).
+// Measures this machine's peak per instruction (fp32 FMA, vdpbf16ps, vpdpbusd, fp16 FMA) and
+// read bandwidth with the variants' probe loops, on a given number of pool threads (see
+// attnkit/runtime.h).
 #include <chrono>
 #include <cstdlib>
 #include <memory>
@@ -26,19 +27,20 @@ void check_threads(int threads) {
   }
 }
 
-// Calibrate one thread to ~50 ms, then run every thread for the same count; the best of
-// five runs is the peak (interference only ever slows a run down).
+// Calibrate one thread to ~10 ms, then run every thread for the same count; the best of 20
+// runs is the peak (interference only ever slows a run down, and on a shared machine short
+// runs more often find the cores free).
 double measure_loop_gflops(int threads, float (*loop)(int64_t), int64_t flops_per_iter) {
   int64_t iters = 1 << 16;
   for (;;) {
     const auto t0 = Clock::now();
     loop(iters);
-    if (seconds_since(t0) > 0.05 || iters > (int64_t{1} << 40)) break;
+    if (seconds_since(t0) > 0.01 || iters > (int64_t{1} << 40)) break;
     iters *= 2;
   }
   std::vector<float> sink(threads);
   double best = 0.0;
-  for (int rep = 0; rep < 5; ++rep) {
+  for (int rep = 0; rep < 20; ++rep) {
     auto body = [&](int64_t task, int) { sink[task] = loop(iters); };
     const auto t0 = Clock::now();
     detail::parallel_for(threads, threads, body);
@@ -50,17 +52,38 @@ double measure_loop_gflops(int threads, float (*loop)(int64_t), int64_t flops_pe
 
 }  // namespace
 
-double measure_fma_peak_gflops(int threads) {
-  check_threads(threads);
-  const cpu::ProbeTable& probe = detail::probes();
-  return measure_loop_gflops(threads, probe.fma_loop, probe.flops_per_iter);
+namespace {
+
+struct PeakInstruction {
+  const char* name;
+  cpu::PeakLoop cpu::ProbeTable::*loop;
+};
+constexpr PeakInstruction kPeakInstructions[] = {{"fp32 FMA", &cpu::ProbeTable::fp32_fma},
+                                                 {"vdpbf16ps", &cpu::ProbeTable::bf16_dot},
+                                                 {"vpdpbusd", &cpu::ProbeTable::int8_dot},
+                                                 {"fp16 FMA", &cpu::ProbeTable::fp16_fma}};
+
+}  // namespace
+
+std::vector<std::string> peak_instructions() {
+  std::vector<std::string> names;
+  for (const PeakInstruction& p : kPeakInstructions) names.push_back(p.name);
+  return names;
 }
 
-double measure_bf16_dot_peak_gflops(int threads) {
-  check_threads(threads);
-  const cpu::ProbeTable& probe = detail::probes();
-  return probe.bf16_dot_loop ? measure_loop_gflops(threads, probe.bf16_dot_loop, probe.bf16_dot_flops_per_iter) : 0.0;
+double measure_peak_gflops(const std::string& instruction, int threads) {
+  for (const PeakInstruction& p : kPeakInstructions) {
+    if (instruction != p.name) continue;
+    check_threads(threads);
+    const cpu::PeakLoop loop = detail::peak_loop(p.loop);
+    return loop.loop ? measure_loop_gflops(threads, loop.loop, loop.flops_per_iter) : 0.0;
+  }
+  std::string names;
+  for (const PeakInstruction& p : kPeakInstructions) names += (names.empty() ? "\"" : ", \"") + std::string(p.name) + "\"";
+  throw Error("instruction must be one of " + names + ", got \"" + instruction + "\"");
 }
+
+double measure_fma_peak_gflops(int threads) { return measure_peak_gflops("fp32 FMA", threads); }
 
 double measure_read_bandwidth_gbs(int threads) {
   check_threads(threads);

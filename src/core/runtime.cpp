@@ -14,7 +14,7 @@ std::string version() { return ATTNKIT_VERSION; }
 std::string build_info() {
   std::string isas;
 #if ATTNKIT_HAVE_AVX512BF16
-  isas += "avx512bf16 ";
+  isas += "avx512bf16 avx512vnni ";
 #endif
 #if ATTNKIT_HAVE_AVX512
   isas += "avx512 ";

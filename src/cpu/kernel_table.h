@@ -31,14 +31,18 @@ struct KernelTable {
   void (*attention_bwd)(const AttentionBackwardParams& params);
 };
 
-// Loops the benchmark uses to measure the machine (src/cpu/machine_probe.cpp).
+// Loops the benchmark uses to measure the machine (src/cpu/machine_probe.cpp). A peak loop
+// does iters * flops_per_iter operations; a null loop: the variant lacks the instruction.
+struct PeakLoop {
+  float (*loop)(int64_t iters) = nullptr;
+  int64_t flops_per_iter = 0;
+};
 struct ProbeTable {
-  float (*fma_loop)(int64_t iters);              // iters * flops_per_iter fp32 flops
   float (*read_sum)(const float* data, int64_t n);
-  int64_t flops_per_iter;
-  // vdpbf16ps chains (avx512bf16 only, else null): iters * bf16_dot_flops_per_iter flops
-  float (*bf16_dot_loop)(int64_t iters);
-  int64_t bf16_dot_flops_per_iter;
+  PeakLoop fp32_fma;  // vfmadd231ps at the variant's vector width
+  PeakLoop bf16_dot;  // vdpbf16ps
+  PeakLoop int8_dot;  // vpdpbusd
+  PeakLoop fp16_fma;  // vfmadd231ph (AVX512-FP16; run only where the CPU has it)
 };
 
 #define ATTNKIT_DECLARE_ISA(isa)            \

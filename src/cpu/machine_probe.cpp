@@ -1,7 +1,11 @@
-// Loops that measure this machine's limits for the benchmark: independent fp32 FMAs at
-// the ISA's full vector width (the compute peak), vdpbf16ps where the ISA has it, and a
-// streaming read (the bandwidth).
-// Compiled once per ISA like the kernels, so the peak matches the variant in use.
+// Loops that measure this machine's limits for the benchmark: the peak of each instruction a
+// kernel path may run, and a streaming read (the bandwidth). Each peak loop keeps independent
+// accumulator chains, at least latency × issue width on the CPUs seen, so it is bound by
+// throughput, not latency: 12 for the FMA (4 cycles × 2 ports; 12 + 2 operands still fit
+// AVX2's 16 registers), 16 for the dot products (Zen 5 runs vdpbf16ps 2 per cycle with ~6
+// cycles of latency: 12 chains measured 484 GFLOP/s per core, 16 chains 518).
+// Compiled once per ISA like the kernels: the fp32 FMA loop runs at the variant's vector
+// width; vdpbf16ps, vpdpbusd and the fp16 FMA exist in the avx512bf16 variant only.
 #include <cstdint>
 
 #include "cpu/kernel_table.h"
@@ -14,10 +18,9 @@
 namespace attnkit::cpu::ATTNKIT_ISA {
 namespace {
 
-// kChains independent FMA chains hide the FMA latency; returns a value that depends on all
-// of them so the loop cannot be removed. Does iters * kChains * kLanes FMAs.
 constexpr int kChains = 12;
 
+// vfmadd231ps at the variant's width: 2 FLOPs per fp32 lane.
 float fma_loop(int64_t iters) {
   vfloat acc[kChains];
   for (int c = 0; c < kChains; ++c) acc[c] = vbroadcast(0.001f * static_cast<float>(c));
@@ -46,29 +49,69 @@ float read_sum(const float* data, int64_t n) {
 }
 
 #if defined(ATTNKIT_ISA_avx512bf16)
-// The same with vdpbf16ps: each of kChains accumulators takes 32 bf16 multiply-adds per
-// instruction (the indexer's and sparse MLA's Sᵀ = K · Qᵀ run on it).
+constexpr int kDotChains = 16;
+
+// vdpbf16ps zmm: 16 fp32 lanes, each adding 2 bf16 products: 64 FLOPs per instruction.
 float bf16_dot_loop(int64_t iters) {
-  __m512 acc[kChains];
-  for (int c = 0; c < kChains; ++c) acc[c] = _mm512_set1_ps(0.001f * static_cast<float>(c));
+  __m512 acc[kDotChains];
+  for (int c = 0; c < kDotChains; ++c) acc[c] = _mm512_set1_ps(0.001f * static_cast<float>(c));
   const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3F803F80), b = (__m512bh)_mm512_set1_epi32(0x33D633D6);
   for (int64_t i = 0; i < iters; ++i) {
-#pragma GCC unroll 12
-    for (int c = 0; c < kChains; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], a, b);
+#pragma GCC unroll 16
+    for (int c = 0; c < kDotChains; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], a, b);
   }
   __m512 sum = _mm512_setzero_ps();
-  for (int c = 0; c < kChains; ++c) sum = _mm512_add_ps(sum, acc[c]);
+  for (int c = 0; c < kDotChains; ++c) sum = _mm512_add_ps(sum, acc[c]);
   return hsum((vfloat)sum);
 }
-constexpr auto kBf16DotLoop = &bf16_dot_loop;
-constexpr int64_t kBf16DotFlops = kChains * 32 * 2;
+
+// vpdpbusd zmm: 16 int32 lanes, each adding 4 u8 × s8 products (4 MACs = 8 ops): 128 ops per
+// instruction. The sums wrap harmlessly; only the rate matters. The accumulators are int32
+// vectors: as __m512i (64-bit lanes) GCC 12 copies each one twice per product.
+float int8_dot_loop(int64_t iters) {
+  using v16si = int __attribute__((vector_size(64)));
+  v16si acc[kDotChains];
+  for (int c = 0; c < kDotChains; ++c) acc[c] = (v16si)_mm512_set1_epi32(c);
+  const __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-2);
+  for (int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 16
+    for (int c = 0; c < kDotChains; ++c) acc[c] = (v16si)_mm512_dpbusd_epi32((__m512i)acc[c], a, b);
+  }
+  v16si sum = acc[0];
+  for (int c = 1; c < kDotChains; ++c) sum += acc[c];
+  float total = 0.0f;
+  for (int lane = 0; lane < 16; ++lane) total += static_cast<float>(sum[lane]);
+  return total;
+}
+
+// vfmadd231ph zmm (AVX512-FP16, Intel Sapphire Rapids and later): 32 fp16 lanes, 2 FLOPs
+// each. Compiled for that extension alone; called only where the CPU reports it.
+__attribute__((target("avx512fp16"))) float fp16_fma_loop(int64_t iters) {
+  __m512h acc[kDotChains];
+  for (int c = 0; c < kDotChains; ++c) acc[c] = _mm512_set1_ph(static_cast<_Float16>(0.001f * static_cast<float>(c)));
+  const __m512h mul = _mm512_set1_ph(static_cast<_Float16>(0.999f)), add = _mm512_set1_ph(static_cast<_Float16>(1e-4f));
+  for (int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 16
+    for (int c = 0; c < kDotChains; ++c) acc[c] = _mm512_fmadd_ph(acc[c], mul, add);
+  }
+  __m512h sum = _mm512_setzero_ph();
+  for (int c = 0; c < kDotChains; ++c) sum = _mm512_add_ph(sum, acc[c]);
+  alignas(64) _Float16 lanes[32];
+  _mm512_store_ph(lanes, sum);
+  float total = 0.0f;
+  for (_Float16 x : lanes) total += static_cast<float>(x);
+  return total;
+}
+
+constexpr PeakLoop kBf16Dot = {&bf16_dot_loop, kDotChains * 16 * 2 * 2};
+constexpr PeakLoop kInt8Dot = {&int8_dot_loop, kDotChains * 16 * 4 * 2};
+constexpr PeakLoop kFp16Fma = {&fp16_fma_loop, kDotChains * 32 * 2};
 #else
-constexpr float (*kBf16DotLoop)(int64_t) = nullptr;
-constexpr int64_t kBf16DotFlops = 0;
+constexpr PeakLoop kBf16Dot{}, kInt8Dot{}, kFp16Fma{};
 #endif
 
 }  // namespace
 
-const ProbeTable probe_table = {&fma_loop, &read_sum, kChains * kLanes * 2, kBf16DotLoop, kBf16DotFlops};
+const ProbeTable probe_table = {&read_sum, {&fma_loop, kChains * kLanes * 2}, kBf16Dot, kInt8Dot, kFp16Fma};
 
 }  // namespace attnkit::cpu::ATTNKIT_ISA

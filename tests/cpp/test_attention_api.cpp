@@ -2,6 +2,7 @@
 // typed errors (attnkit::Error) with informative messages, and outputs fully written.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <string>
@@ -138,6 +139,26 @@ TEST(AttentionApi, SinksJoinTheDenominatorOnly) {
   for (int i = 0; i < 24; ++i) EXPECT_EQ(out[i], 0.0f) << i;
   for (int i = 24; i < 48; ++i) EXPECT_EQ(out[i], plain[i]) << i;
   for (int i = 0; i < 6; ++i) EXPECT_EQ(lse[i], plain_lse[i]) << i;
+}
+
+// The benchmark's peak probes and the default-variant rule (tests/python/test_dispatch_paths.py
+// checks the rule against /proc/cpuinfo and every forced variant against float64).
+TEST(Runtime, PeakProbesAndIsaRule) {
+  EXPECT_EQ(peak_instructions(), (std::vector<std::string>{"fp32 FMA", "vdpbf16ps", "vpdpbusd", "fp16 FMA"}));
+  try {
+    measure_peak_gflops("fma", 1);
+    ADD_FAILURE() << "no error for an unknown instruction";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "instruction must be one of \"fp32 FMA\", \"vdpbf16ps\", \"vpdpbusd\", \"fp16 FMA\", got \"fma\"");
+  }
+  EXPECT_THROW(measure_peak_gflops("vpdpbusd", 0), Error);
+  EXPECT_GT(measure_peak_gflops("fp32 FMA", 1), 1.0);
+  const std::vector<std::string> isas = supported_isas();
+  const bool bf16 = std::find(isas.begin(), isas.end(), "avx512bf16") != isas.end();
+  EXPECT_EQ(bf16, std::find(isas.begin(), isas.end(), "avx512vnni") != isas.end());
+  EXPECT_EQ(bf16, measure_peak_gflops("vpdpbusd", 1) > 1.0);
+  EXPECT_EQ(isa_rule().rfind(isas.front() + ":", 0), 0u) << isa_rule();
 }
 
 }  // namespace

@@ -51,12 +51,58 @@ def test_labels_and_per_instruction_peak():
 
     res = run_bench("--shape", "A", "--dtype", "bfloat16", "--threads", "1", "--repeats", "1", "--budget", "1")
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "peak of" in res.stdout and "ok (err " in res.stdout
+    assert "% of path peak" in res.stdout and "ok (err " in res.stdout
     assert "E = max |out - ref| / rms(ref)" in res.stdout
     row = next(line for line in res.stdout.splitlines() if re.match(r"\s+1\s+attnkit\s", line))
-    assert ("bf16 dot" if attnkit.get_isa() == "avx512bf16" else "fp32 FMA") in row
+    assert re.search(r"\d% of " + ("vdpbf16ps" if attnkit.get_isa() == "avx512bf16" else "fp32 FMA"), row), row
     cited = re.findall(r"protocol:\s+([\w/.]+\.md)", run_bench("--help").stdout)
     assert cited and all(os.path.exists(os.path.join(os.path.dirname(__file__), "..", "..", c)) for c in cited)
+
+
+def test_every_instruction_peak_is_reported():
+    """The machine line gives each instruction's measured peak per thread count, n/a where the
+    CPU lacks it; a forced variant's rows name its own path (avx512vnni: bf16 on fp32 FMAs,
+    int8 Sage on vpdpbusd+vdpbf16ps)."""
+    import os
+
+    import attnkit
+    from attnkit import _C
+
+    res = run_bench("--op", "sage", "--shape", "B=1,H=2,S=128,D=64", "--dtype", "bfloat16", "--threads", "1",
+                    "--repeats", "1", "--budget", "1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    head = res.stdout.splitlines()[0]
+    for name in _C.peak_instructions():
+        measured = re.search(re.escape(name) + r" 1 thr (\d+) G(FL)?OP/s", head)
+        assert measured or f"{name} n/a" in head, head
+        assert bool(measured) == (_C.measure_peak_gflops(name, 1) > 0), head
+    if "avx512vnni" not in attnkit.supported_isas():
+        return
+    env = {**os.environ, "ATTNKIT_ISA": "avx512vnni"}
+    res = subprocess.run([sys.executable, "-m", "attnkit.bench", "--quick", "--no-progress", "--op", "sage", "--shape",
+                          "B=1,H=2,S=128,D=64", "--dtype", "bfloat16", "--threads", "1", "--repeats", "1", "--budget",
+                          "1"], capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = {line.split()[1]: line for line in res.stdout.splitlines() if re.match(r"\s+1\s+\S", line)}
+    assert "% of vpdpbusd+vdpbf16ps" in rows["attnkit-sage-int8"], rows
+    assert "% of fp32 FMA" in rows["attnkit-exact"], rows
+
+
+@pytest.mark.parametrize("peer,module", [("openvino", "openvino"), ("onnxruntime", "onnxruntime")])
+def test_optional_peers_verify(peer, module):
+    """OpenVINO and ONNX Runtime (attnkit[peers]) are verified against the float64 reference
+    and attnkit before timing: GQA (OpenVINO on repeated K/V), causal, odd sizes, fp32 and
+    bf16 (ONNX Runtime on float16 copies, named so)."""
+    pytest.importorskip(module)
+    if module == "onnxruntime":
+        pytest.importorskip("onnx")
+    res = run_bench("--shape", "B=2,Hq=6,Hkv=2,S=77,D=40,causal", "--shape", "B=1,H=3,Sq=5,Skv=130,D=64",
+                    "--dtype", "float32,bfloat16", "--threads", "1", "--repeats", "1", "--budget", "1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = [line for line in res.stdout.splitlines() if re.match(r"\s+1\s+" + peer, line)]
+    assert len(rows) == 4 and all(" ok (err " in r for r in rows), res.stdout
+    if peer == "onnxruntime":
+        assert sum("onnxruntime-fp16" in r for r in rows) == 2, rows
 
 
 def test_call_overhead_row():
@@ -79,3 +125,20 @@ def test_dsa_op_wrong_result_is_reported():
     res = run_bench("--op", "dsa", "--shape", "D,b=2,h=16,topk=256,s_k=1000", "--threads", "1", "--repeats", "1",
                     "--budget", "1", "--inject-error")
     assert res.returncode == 1 and "FAILED" in res.stdout, res.stdout + res.stderr
+
+
+def test_path_peak_mixes_measured_rates():
+    """A mixed path's peak: its FLOP shares each at its instruction's measured rate (time
+    adds up); n/a (nan) when one instruction is not on the machine; labels name them all."""
+    import math
+
+    from attnkit.bench.machine import Machine, path_label
+
+    m = Machine("cpu", 2, 1 << 25, "avx512bf16", ["avx512bf16"], "0", "torch",
+                peaks={"fp32 FMA": {1: 100.0}, "vdpbf16ps": {1: 200.0}, "vpdpbusd": {1: 400.0}, "fp16 FMA": {1: 0.0}})
+    assert m.path_peak("vdpbf16ps", 1) == 200.0
+    assert math.isclose(m.path_peak((("vpdpbusd", 128), ("vdpbf16ps", 128)), 1), 2 / (1 / 400 + 1 / 200))
+    assert math.isclose(m.path_peak((("vdpbf16ps", 576), ("fp32 FMA", 512)), 1), 1088 / (576 / 200 + 512 / 100))
+    assert math.isnan(m.path_peak("fp16 FMA", 1)) and math.isnan(m.path_peak("fp32 FMA", 2))
+    assert path_label((("vpdpbusd", 1), ("vdpbf16ps", 1))) == "vpdpbusd+vdpbf16ps"
+    assert "fp16 FMA n/a" in m.peaks_text() and "vpdpbusd 1 thr 400 GOP/s" in m.peaks_text()

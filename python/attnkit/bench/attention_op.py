@@ -13,7 +13,8 @@ from typing import Optional
 
 import numpy as np
 
-from .machine import INSTRUCTION_PEAK
+from .machine import BF16_DOT, FP32_FMA, bf16_dot_of
+from .peers import onnxruntime_contender, openvino_contender
 from .registry import (BenchOp, Case, Check, Contender, Counts, attnkit_contenders, itemsize, numpy_dtype,
                        optional_torch, register, shape_int)
 
@@ -32,19 +33,22 @@ P_ROUNDING = {"bfloat16": 2.0 ** -8}
 PEER_TOL_FACTOR = 2.0  # a peer vs attnkit: both sides carry rounding error
 
 
-def runs_bf16_dot(row) -> bool:
-    """Whether a row's bf16 products run on vdpbf16ps: attnkit's exact attention on the
-    avx512bf16 variant (Q·Kᵀ and P·V), and torch's SDPA, whose bf16 GEMMs go to oneDNN,
-    which uses vdpbf16ps where the CPU has AVX512-BF16."""
-    import attnkit
-
-    return (row.case.dtype == "bfloat16" and attnkit.get_isa() == "avx512bf16"
-            and (row.contender in ("attnkit", "attnkit-exact") or row.contender.startswith("torch")))
-
-
 def exact_peak_of(row):
-    """(instruction, multiple of the fp32 FMA peak) whose peak bounds an exact-attention row."""
-    return ("bf16 dot", INSTRUCTION_PEAK["bf16 dot"]) if runs_bf16_dot(row) else ("fp32 FMA", 1.0)
+    """The instruction whose peak bounds an exact-attention row: attnkit's bf16 products run
+    on its variant's bf16 instruction (Q·Kᵀ and P·V: vdpbf16ps on avx512bf16, fp32 FMAs
+    elsewhere, attnkit-generic included); fp32 and fp16 inputs on fp32 FMAs. Peers with bf16
+    inputs: vdpbf16ps where the CPU has it (torch's and OpenVINO's bf16 GEMMs go to oneDNN,
+    which uses it), else fp32 FMA."""
+    import attnkit
+    from attnkit import _C
+
+    if row.case.dtype != "bfloat16" or row.contender == "attnkit-generic":
+        return FP32_FMA
+    if row.role != "peer" or row.contender.startswith("attnkit"):  # attnkit's, modifiers included
+        return bf16_dot_of(attnkit.get_isa())
+    if row.contender == "onnxruntime-fp16":
+        return FP32_FMA  # float16 through fp32 on CPUs without AVX512-FP16 (MLAS; assumed)
+    return BF16_DOT if "avx512bf16" in _C.cpu_features().split() else FP32_FMA
 
 
 @dataclass(frozen=True)
@@ -359,6 +363,8 @@ class AttentionOp(BenchOp):
         if s.name == "call":
             out += self.attnkit_torch_contender(s, notes)
         out += self.torch_sdpa_contender(s, notes)
+        if s.name != "call":
+            out += openvino_contender(s, case.dtype, notes) + onnxruntime_contender(s, case.dtype, notes)
         return out, notes
 
     @staticmethod

@@ -71,7 +71,7 @@ def build_parser(ops) -> argparse.ArgumentParser:
                         "below 3 (quick: 2) (default: 60, quick: 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--csv", metavar="FILE", help="write every row to a CSV file")
-    p.add_argument("--plot", metavar="FILE.png", help="bar charts of %% peak and peer ratios")
+    p.add_argument("--plot", metavar="FILE.png", help="bar charts of %% of path peak and peer ratios")
     p.add_argument("--accuracy", action="store_true",
                    help="no timing: accuracy against a float64 reference over all heads, exit 1 if "
                         "the op's accuracy contract fails (ops with an accuracy mode: sage; "
@@ -164,10 +164,11 @@ def main(argv=None) -> int:
     rows = run(op, cases, threads, mach, settings, progress, notes)
     machine_mod.measure(threads, progress, mach)  # again after the run; keeps the best
     progress.done()
-    peak_of = getattr(op, "peak_of", lambda r: ("fp32 FMA", 1.0))
+    peak_of = getattr(op, "peak_of", lambda r: machine_mod.FP32_FMA)
     for r in rows:
-        r.peak_of, factor = peak_of(r)
-        r.peak_gflops, r.read_gbs = mach.peak_gflops[r.threads] * factor, mach.read_gbs[r.threads]
+        path = peak_of(r)
+        r.peak_of, r.peak_gflops = machine_mod.path_label(path), mach.path_peak(path, r.threads)
+        r.read_gbs = mach.read_gbs[r.threads]
     elapsed = time.perf_counter() - t0
 
     quick = f", quick ({getattr(op, 'quick_note', 'sequence lengths / 4')})" if args.quick else ""
@@ -175,12 +176,14 @@ def main(argv=None) -> int:
     print(f"op {op.name}: {len(cases)} case(s), threads {', '.join(map(str, threads))}"
           f"{quick}; median of "
           f"{settings.repeats} interleaved rounds (fewer where the budget is short); "
-          f"ratio = contender time / attnkit time (>1: attnkit faster); % peak = of the peak of "
-          f"the instruction the row's path runs ('peak of'): the fp32 FMA peak measured above "
-          f"for the same thread count, x2 for bf16 dot (vdpbf16ps), x4 for int8 dot (vpdpbusd), "
-          f"by instruction width (modelled, not measured); verify: 'ok (err E)' with E = "
-          f"max |out - ref| / rms(ref) over the checked subset against the float64 reference "
-          f"(peers: the larger of that and the same against attnkit's output)")
+          f"ratio = contender time / attnkit time (>1: attnkit faster); % of path peak = of the "
+          f"peak measured above, for the same thread count, of the instruction the row's path "
+          f"runs on (a mixed path: its FLOP shares each at its instruction's peak); verify: "
+          f"'ok (err E)' with E = max |out - ref| / rms(ref) over the checked subset against the "
+          f"float64 reference (peers: the larger of that and the same against attnkit's output)")
+    rule = mach.bf16_rule_check()
+    if rule:
+        print(f"note: {rule}")
     if settings.inject_error:
         print("note: --inject-error: attnkit's output is perturbed before verification")
     for n in notes:
@@ -189,8 +192,8 @@ def main(argv=None) -> int:
     print(format_tables(rows))
 
     if any(r.timed and r.pct_peak > 100 for r in rows):
-        print("note: % peak above 100 means the peak measurement was slowed by other load on "
-              "this machine; ratios in the same run still hold")
+        print("note: % of path peak above 100 means the peak measurement was slowed by other load on "
+              "this machine (or the row's path is not the one named); ratios in the same run still hold")
     failed = [r for r in rows if r.status == "FAILED"]
     if args.csv:
         write_csv(args.csv, rows)

@@ -19,6 +19,7 @@ from typing import Optional
 
 import numpy as np
 
+from .machine import BF16_DOT, FP32_FMA, bf16_dot_of
 from .registry import BenchOp, Check, Contender, Counts, attnkit_contenders, optional_torch, register, shape_int
 from .sparse_mla_op import _checks
 
@@ -116,9 +117,13 @@ class DsaOp(BenchOp):
         keys = max(s.keys // 16, s.topk if s.kind == "D" else 256)
         return replace(s, rows=max(1, s.rows // 16) if s.kind != "D" else s.rows, keys=keys, quick=True)
 
-    def may_exceed_fp32_peak(self, row):
+    def peak_of(self, row):
+        """attnkit's indexer logits and sparse decode products run on vdpbf16ps where its
+        variant has it; top-k and the peers on fp32."""
         import attnkit
-        return row.contender == "attnkit" and attnkit.get_isa() == "avx512bf16"
+        if row.contender == "attnkit" and row.case.shape.kind != "TK" and bf16_dot_of(attnkit.get_isa()) == BF16_DOT:
+            return BF16_DOT
+        return FP32_FMA
 
     def dtypes_for(self, shape, requested):
         if requested is None or FP8 in requested:

@@ -72,6 +72,8 @@ class Contender:
     ``verify(ref, out)``, if set, replaces the op's verify for this contender (e.g. exact
     peers of a quantized kernel); ``compare_to`` names the contender a non-attnkit one is
     compared with (op.compare): None for the attnkit contender, "" for none.
+    ``prepare_inputs(inputs)``, if set, runs once per input set and thread count before the
+    contender is verified or timed (untimed), e.g. converting inputs to a peer's own types.
     """
     name: str
     role: str  # "attnkit" (what the ratios are against), "reference" or "peer"
@@ -82,6 +84,7 @@ class Contender:
     note: str = ""
     verify: Optional[Callable[[Any, Any], "Check"]] = None
     compare_to: Optional[str] = None
+    prepare_inputs: Optional[Callable[[Any], None]] = None
 
 
 @dataclass

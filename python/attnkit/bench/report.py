@@ -36,6 +36,11 @@ def _verify(row) -> str:
     return row.status
 
 
+def _pct_of(row) -> str:
+    """ "62.0% of vdpbf16ps"; "- of fp16 FMA" where the row is untimed or the peak is n/a."""
+    return f"{_num(row.pct_peak, '.1f')}{'%' if math.isfinite(row.pct_peak) else ''} of {row.peak_of}"
+
+
 def _case_key(row):
     return (row.op, row.case.label, row.case.dtype)
 
@@ -56,7 +61,7 @@ def format_tables(rows) -> str:
     for _, grp in groupby(rows, key=_case_key):
         grp = list(grp)
         mem = grp[0].memory_bound
-        cols = ["threads", "contender", "ms median (min-max)", "GFLOP/s", "% peak", "peak of",
+        cols = ["threads", "contender", "ms median (min-max)", "GFLOP/s", "% of path peak",
                 "vs attnkit"]
         if mem:
             cols += ["floor ms", "x floor"]
@@ -67,15 +72,14 @@ def format_tables(rows) -> str:
                 ms = f"{_ms(r.ms_median)} ({_ms(r.ms_min)}-{_ms(r.ms_max)})"
             else:
                 ms = "not timed"
-            line = [str(r.threads), r.contender, ms, _num(r.gflops, ".1f"),
-                    _num(r.pct_peak, ".1f") + ("%" if r.timed else ""), r.peak_of,
+            line = [str(r.threads), r.contender, ms, _num(r.gflops, ".1f"), _pct_of(r),
                     _num(r.ratio, ".2f")]
             if mem:
                 line += [_ms(r.floor_ms), _num(r.x_floor, ".2f")]
             line += [_verify(r)]
             table.append(line)
         widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
-        left = {1, 5, len(cols) - 1}
+        left = {1, 4, len(cols) - 1}
         fmt = lambda cells: "  ".join(  # noqa: E731
             c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
         out.append(_case_header(grp))

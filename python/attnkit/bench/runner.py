@@ -163,6 +163,9 @@ def run_case(op: BenchOp, case: Case, threads: list, machine, settings: Settings
         for c, row in zip(contenders, group):
             progress.update(f"{tag}: verifying {c.name}")
             try:
+                if c.prepare_inputs is not None:
+                    for x in inputs:
+                        c.prepare_inputs(x)
                 out, dt = _call(c, inputs[0])
             except Exception as e:  # noqa: BLE001
                 # attnkit's own kernels raising is a failure; a peer raising is only skipped.

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from .machine import mixed_peak_factor
+from .machine import BF16_DOT, FP32_FMA, INT8_DOT, int8_dot_of
 from .attention_op import (NAMED, AttentionOp, AttnInputs, AttnShape, _subset, exact_peak_of,
                            exact_reference)
 from .registry import Check, Contender, register
@@ -77,15 +77,15 @@ class SageOp(AttentionOp):
         return (list(SAGE_DTYPES) if requested is None else list(requested)), ""
 
     def peak_of(self, row):
-        """Sage on avx512bf16: Q·Kᵀ on vpdpbusd, P·V on vdpbf16ps (FLOP shares D and Dv);
-        elsewhere fp32 FMAs on the integers. Exact peers as in --op attention."""
+        """Sage on avx512bf16 and avx512vnni: Q·Kᵀ on vpdpbusd, P·V on vdpbf16ps (FLOP shares
+        D and Dv); elsewhere fp32 FMAs on the integers. Exact peers as in --op attention."""
         import attnkit
 
         if row.role == "attnkit":
-            if attnkit.get_isa() != "avx512bf16":
-                return "fp32 FMA", 1.0
+            if int8_dot_of(attnkit.get_isa()) != INT8_DOT:
+                return FP32_FMA
             s = row.case.shape
-            return "int8+bf16 dot", mixed_peak_factor((("int8 dot", s.D), ("bf16 dot", s.Dv)))
+            return ((INT8_DOT, s.D), (BF16_DOT, s.Dv))
         return exact_peak_of(row)
 
     # --- verification: the quantized contract for sage, attention's checks for exact peers
@@ -122,8 +122,8 @@ class SageOp(AttentionOp):
             f"sage verified per head on the float64 reference subset with {CONTRACT}; exact "
             "peers as in --op attention; FLOPs are exact attention's (causal: visible pairs)",
             "attnkit-exact's 'vs attnkit' = sage's speedup over exact attention (target >= 2)",
-            "attnkit-sage-int8's % peak is of its mixed peak (int8+bf16 dot): Q·Kᵀ at the int8 "
-            "dot rate, P·V at the bf16 dot rate, weighted by D and Dv",
+            "attnkit-sage-int8's % peak is of its mixed peak (vpdpbusd+vdpbf16ps, where it runs "
+            "them): Q·Kᵀ at the measured vpdpbusd rate, P·V at the vdpbf16ps rate, weighted by D and Dv",
             _fp4_note(),
         ]
 

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, replace
 import numpy as np
 
-from .attention_op import PEER_TOL_FACTOR, _as_f32, _check, visible_pairs
+from .attention_op import PEER_TOL_FACTOR, _as_f32, _check, exact_peak_of, visible_pairs
 from .registry import (BenchOp, Contender, Counts, attnkit_contenders, itemsize, numpy_dtype,
                        optional_torch, register, shape_int)
 
@@ -137,8 +137,8 @@ class _ServingOp(BenchOp):
                        q_len=s.q_len if s.q_len <= 1 else max(1, s.q_len // 4), prefills=min(s.prefills, 1),
                        quick=True)
 
-    def may_exceed_fp32_peak(self, row) -> bool:
-        return row.case.dtype == "bfloat16"
+    def peak_of(self, row):
+        return exact_peak_of(row)
 
     def _subset(self, out, ref, cu_q):
         return [np.asarray(_as_f32(out))[cu_q[b]:cu_q[b + 1]][:, ref.heads].transpose(1, 0, 2).astype(np.float64)

@@ -17,7 +17,7 @@ from typing import Optional
 
 import numpy as np
 
-from .machine import mixed_peak_factor
+from .machine import BF16_DOT, FP32_FMA, bf16_dot_of
 from .registry import (BenchOp, Case, Check, Contender, Counts, attnkit_contenders, itemsize, numpy_dtype,
                        optional_torch, register, shape_int)
 
@@ -256,10 +256,10 @@ class SparseMlaOp(BenchOp):
         # P·V on fp32 FMAs: FLOP shares d_qk and d_v
         import attnkit
 
-        if row.contender == "attnkit" and attnkit.get_isa() == "avx512bf16":
+        if row.contender == "attnkit" and bf16_dot_of(attnkit.get_isa()) == BF16_DOT:
             s = row.case.shape
-            return "bf16+fp32", mixed_peak_factor((("bf16 dot", s.d_qk), ("fp32 FMA", s.d_v)))
-        return "fp32 FMA", 1.0
+            return ((BF16_DOT, s.d_qk), (FP32_FMA, s.d_v))
+        return FP32_FMA
 
     def dtypes_for(self, shape, requested):
         if requested is None:

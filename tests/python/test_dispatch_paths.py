@@ -1,0 +1,133 @@
+"""The per-machine path choice (src/core/dispatch.cpp) and the peak probes the benchmark uses.
+
+The default variant follows the bf16 rule (Intel family 6: avx512vnni, bf16 through fp32
+FMAs; elsewhere avx512bf16, vdpbf16ps), checked here against /proc/cpuinfo read
+independently. Every variant is forced (set_isa, ATTNKIT_ISA) and checked against the
+float64 reference, and avx512vnni is checked to be what it claims: avx512's arithmetic for
+bf16 inputs, avx512bf16's int8 Sage.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import attnkit
+from attnkit import _C
+from conftest import assert_bits_equal, make_qkv, poison
+from reference import assert_close, attention_ref, pv_magnitude, tolerance
+
+HAS_BF16_VARIANTS = "avx512bf16" in attnkit.supported_isas()
+
+
+def cpuinfo_vendor_family():
+    fields = {}
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key.strip() in ("vendor_id", "cpu family") and key.strip() not in fields:
+                fields[key.strip()] = value.strip()
+            if not line.strip():
+                break
+    return fields.get("vendor_id", ""), int(fields.get("cpu family", "-1"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="needs /proc/cpuinfo")
+def test_default_variant_follows_the_bf16_rule():
+    vendor, family = cpuinfo_vendor_family()
+    isas = attnkit.supported_isas()
+    rule = _C.isa_rule()
+    assert f"{vendor} family {family} " in rule, rule
+    assert ("avx512vnni" in isas) == ("avx512bf16" in isas)
+    if HAS_BF16_VARIANTS:
+        expected = "avx512vnni" if (vendor, family) == ("GenuineIntel", 6) else "avx512bf16"
+        assert isas[0] == expected and rule.startswith(expected + ":"), (isas, rule)
+    assert rule.split(":")[0] == isas[0]
+
+
+def test_info_reports_the_choice():
+    res = subprocess.run([sys.executable, "-m", "attnkit", "info"], capture_output=True, text=True,
+                         timeout=120, cwd="/")
+    assert res.returncode == 0, res.stderr
+    assert f"default isa: {_C.isa_rule()}" in res.stdout
+    assert "bf16 products on: " in res.stdout and "int8 Sage Q·Kᵀ on: " in res.stdout
+
+
+CHECK_IN_CHILD = """
+import numpy as np, attnkit, ml_dtypes, sys
+sys.path.insert(0, {tests!r})
+from reference import attention_ref, pv_magnitude, tolerance, assert_close
+rng = np.random.default_rng(5)
+q = rng.standard_normal((1, 4, 67, 48)).astype(ml_dtypes.bfloat16)
+k = rng.standard_normal((1, 2, 131, 48)).astype(ml_dtypes.bfloat16)
+v = rng.standard_normal((1, 2, 131, 48)).astype(ml_dtypes.bfloat16)
+out = attnkit.attention(q, k, v, causal=True, enable_gqa=True)
+ref, _ = attention_ref(q, k, v, None, True, None, True)
+assert_close(out, ref, *tolerance("bfloat16", "out", magnitude=pv_magnitude(q, k, v, None, True, None, True)))
+print(attnkit.get_isa())
+"""
+
+
+@pytest.mark.parametrize("isa_name", attnkit.supported_isas())
+def test_every_variant_forced_by_env_is_correct(isa_name):
+    """ATTNKIT_ISA forces each variant at load (no warning); bf16 attention is right on it."""
+    env = {**os.environ, "ATTNKIT_ISA": isa_name}
+    code = CHECK_IN_CHILD.format(tests=os.path.dirname(__file__))
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         cwd="/")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == [isa_name] and res.stderr == ""
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
+@pytest.mark.parametrize("Sq,Skv,D,causal", [(1, 300, 64, False), (49, 129, 128, True), (130, 257, 80, False)])
+def test_every_variant_forced_by_set_isa_matches_float64(rng, dtype, Sq, Skv, D, causal, restore_runtime):
+    q, k, v = make_qkv(rng, 2, 6, 2, Sq, Skv, D, D, dtype)
+    args = (None, causal, None, True)
+    ref, _ = attention_ref(q, k, v, *args)
+    tol = tolerance(dtype, "out", magnitude=pv_magnitude(q, k, v, *args))
+    for isa_name in attnkit.supported_isas():
+        attnkit.set_isa(isa_name)
+        out = attnkit.attention(q, k, v, causal=causal, enable_gqa=True, out=poison(ref.shape, q.dtype))
+        assert_close(out, ref, *tol, f"out[{isa_name}]")
+
+
+@pytest.mark.skipif(not HAS_BF16_VARIANTS, reason="needs a CPU with AVX512_BF16 and AVX512_VNNI")
+def test_avx512vnni_is_avx512_for_bf16_and_avx512bf16_for_int8_sage(rng, restore_runtime):
+    """avx512vnni computes bf16 attention with avx512's fp32 FMAs (bit-identical to it) and
+    int8 Sage with avx512bf16's vpdpbusd kernel (bit-identical to that)."""
+    q, k, v = make_qkv(rng, 1, 8, 2, 77, 200, 128, 128, "bfloat16")
+
+    def run(isa_name, fn):
+        attnkit.set_isa(isa_name)
+        return fn()
+
+    exact = lambda: attnkit.attention(q, k, v, causal=True, enable_gqa=True)  # noqa: E731
+    sage = lambda: attnkit.sage_attention(q, k, v, causal=True, mode="int8")  # noqa: E731
+    assert_bits_equal(run("avx512vnni", exact), run("avx512", exact), "bf16 attention vnni vs avx512")
+    assert_bits_equal(run("avx512vnni", sage), run("avx512bf16", sage), "int8 sage vnni vs avx512bf16")
+
+
+# ---- the peak probes -------------------------------------------------------------------
+
+def test_peak_instructions_and_errors():
+    assert _C.peak_instructions() == ["fp32 FMA", "vdpbf16ps", "vpdpbusd", "fp16 FMA"]
+    with pytest.raises(ValueError, match=r'instruction must be one of "fp32 FMA", .*got "fma"'):
+        _C.measure_peak_gflops("fma", 1)
+    with pytest.raises(ValueError, match=r"threads must be in \[1, get_num_threads"):
+        _C.measure_peak_gflops("fp32 FMA", attnkit.get_num_threads() + 1)
+    with pytest.raises(ValueError, match=r"threads must be in"):
+        _C.measure_peak_gflops("vpdpbusd", 0)
+
+
+def test_peaks_measured_where_the_cpu_has_them():
+    features = _C.cpu_features().split()
+    peaks = {name: _C.measure_peak_gflops(name, 1) for name in _C.peak_instructions()}
+    assert peaks["fp32 FMA"] > 1.0
+    assert (peaks["vdpbf16ps"] > 1.0) == HAS_BF16_VARIANTS
+    assert (peaks["vpdpbusd"] > 1.0) == HAS_BF16_VARIANTS
+    assert (peaks["fp16 FMA"] > 1.0) == ("avx512fp16" in features and HAS_BF16_VARIANTS)
+    assert all(p == 0.0 or p > 1.0 for p in peaks.values()), peaks
+    assert _C.measure_fma_peak_gflops(1) > 1.0
