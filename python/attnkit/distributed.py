@@ -17,13 +17,14 @@ them gives the single-process result bit for bit. ring_attention shards the sequ
 import datetime
 import json
 import math
+import threading
 import time
 
 import torch
 import torch.distributed as dist
 
 from .merge import merge_attention_states
-from .ops import attention, causal_code
+from .ops import causal_code, run_attention
 
 __all__ = ["shard_heads", "local_heads", "sequence_segments", "shard_sequence", "gather_sequence",
            "ring_attention"]
@@ -123,26 +124,54 @@ def gather_sequence(local, *, group=None, layout="zigzag", dim=2):
     return out
 
 
-def causal_pieces(q_len, kv_len, shift):
-    """Pieces of a causal block in which query a sees key b iff b <= a + shift, as
-    (row_start, row_end, kv_end, causal) for attention on rows [row_start, row_end) and
-    keys [0, kv_end), in attention's own conventions:
-    rows that see no key are left out (they stay empty), rows that see a prefix of the
-    keys become one bottom-right causal call on that prefix, rows that see every key one
-    call without a mask."""
-    if kv_len == 0 or q_len == 0:
-        return []
-    first = min(max(-shift, 0), q_len)                   # rows before see nothing
-    full = min(max(kv_len - 1 - shift, first), q_len)    # rows from here see all keys
-    pieces = []
-    if full > first:
-        pieces.append((first, full, full + shift, "bottom_right"))
-    if q_len > full:
-        pieces.append((full, q_len, kv_len, False))
-    return pieces
+def visible_runs(q_segments, kv_segments, shift):
+    """The attention calls that cover "the query at global position a sees the key at
+    global position b iff b <= a + shift" for one rank's queries against one K/V block, as
+    (row_start, row_end, kv_end, causal): attention on local rows [row_start, row_end) and
+    local keys [0, kv_end), causal False or "bottom_right" (attention's own conventions).
+
+    q_segments and kv_segments are the global [start, end) runs of the local rows and
+    keys, in local order and ascending (as zigzag and contiguous shards are). A query at a
+    then sees a prefix of the local keys, of length L(a) that grows by one per row inside a
+    key segment and is flat elsewhere. Maximal runs of local rows where L is flat become one
+    call without a mask on keys [0, L); runs where L grows by one per row one bottom-right
+    causal call on keys [0, L of the last row). Runs continue across the rows' segment
+    boundaries, so zigzag's two chunks share calls (2 ranks: one call per step).
+    Rows that see no key are left out: they stay empty."""
+    def visible(a):
+        return sum(min(max(a + shift + 1 - ks, 0), ke - ks) for ks, ke in kv_segments)
+
+    runs = []  # [row_start, row_end, L of the first row, L of the last row]
+    local = 0
+    for qs, qe in q_segments:
+        cuts = sorted({qs, qe} | {min(max(x - shift, qs), qe) for ks, ke in kv_segments for x in (ks, ke)})
+        for a0, a1 in zip(cuts, cuts[1:]):  # L is flat or grows by one per row on [a0, a1)
+            first, last = visible(a0), visible(a1 - 1)
+            if last == 0:
+                continue
+            r0, r1 = local + a0 - qs, local + a1 - qs
+            if runs and runs[-1][1] == r0:
+                prev = runs[-1]
+                prev_flat = prev[2] == prev[3]
+                prev_growing = prev[3] - prev[2] == prev[1] - prev[0] - 1
+                flat, growing = first == last, last - first == r1 - r0 - 1
+                if (prev_flat and flat and first == prev[3]) or (prev_growing and growing and first == prev[3] + 1):
+                    prev[1], prev[3] = r1, last
+                    continue
+            runs.append([r0, r1, first, last])
+        local += qe - qs
+    return [(r0, r1, last, False if first == last else "bottom_right") for r0, r1, first, last in runs]
 
 
-def _describe(q, k, v, causal, scale, layout, enable_gqa, return_lse, timeout):
+def _span(x):
+    """The bytes [first, end) that tensor x's elements occupy (none for an empty one)."""
+    if x.numel() == 0:
+        return None
+    first = x.data_ptr()
+    return first, first + (sum((n - 1) * s for n, s in zip(x.shape, x.stride())) + 1) * x.element_size()
+
+
+def _describe(q, k, v, out, causal, scale, layout, enable_gqa, return_lse, timeout):
     """This rank's shapes and options, or the reason they are invalid (never raises)."""
     try:
         if not isinstance(timeout, datetime.timedelta):
@@ -174,6 +203,19 @@ def _describe(q, k, v, causal, scale, layout, enable_gqa, return_lse, timeout):
             raise ValueError(f"scale must be a float or None, got {type(scale).__name__}")
         if layout not in LAYOUTS:
             raise ValueError(f'layout must be "contiguous" or "zigzag", got {layout!r}')
+        if out is not None:
+            want = [q.shape[0], hq, q.shape[2], v.shape[3]]
+            if not isinstance(out, torch.Tensor) or out.device.type != "cpu":
+                raise ValueError(f"out must be None or a CPU torch tensor, got {type(out).__name__}"
+                                 + (f" on {out.device}" if isinstance(out, torch.Tensor) else ""))
+            if list(out.shape) != want or out.dtype != q.dtype:
+                raise ValueError(f"out must be {q.dtype} {want} (q's dtype, [B, Hq, Sq, Dv]), got {out.dtype} "
+                                 f"{list(out.shape)}")
+            mine = _span(out)
+            for x, name in ((q, "q"), (k, "k"), (v, "v")):
+                theirs = _span(x)
+                if mine and theirs and mine[0] < theirs[1] and theirs[0] < mine[1]:
+                    raise ValueError(f"out must not overlap {name}")
         options = (code, None if scale is None else float(scale), layout, bool(enable_gqa), bool(return_lse))
         return {"error": None, "q": list(q.shape), "kv": list(k.shape), "dv": v.shape[3], "dtype": str(q.dtype),
                 "options": list(options)}
@@ -245,11 +287,24 @@ def _segments(lens, world, rank, layout):
     return [(start, start + lens[rank])]
 
 
-def _pack(k, v):
-    """k and v as one flat byte buffer (any dtype travels through gloo as uint8)."""
-    parts = [k.contiguous().view(-1).view(torch.uint8), v.contiguous().view(-1).view(torch.uint8)]
-    buf = torch.cat(parts)
-    return buf if buf.numel() else torch.zeros(1, dtype=torch.uint8)  # never send an empty message
+_workspace = threading.local()
+
+
+def _buffer(name, nbytes):
+    """A uint8 buffer of nbytes (at least 1) that this thread keeps between calls, the
+    largest size seen: ring_attention's transfer and scratch buffers touch their pages
+    once (a first touch costs microseconds a page), not on every call."""
+    buffers = _workspace.__dict__.setdefault("buffers", {})
+    buf = buffers.get(name)
+    if buf is None or buf.numel() < max(nbytes, 1):
+        buf = buffers[name] = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+    return buf[:max(nbytes, 1)]
+
+
+def _typed(name, shape, dtype):
+    """_buffer(name) as a contiguous tensor of shape and dtype."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    return _buffer(name, nbytes)[:nbytes].view(dtype).view(shape)
 
 
 def _unpack(buf, k_shape, v_shape, dtype):
@@ -258,8 +313,15 @@ def _unpack(buf, k_shape, v_shape, dtype):
     return buf[:nk].view(dtype).view(k_shape), buf[nk:nk + nv].view(dtype).view(v_shape)
 
 
+def _true_runs(flags):
+    """[(start, end)] of the runs of True in a 1-d bool tensor."""
+    edges = torch.nonzero(torch.diff(flags.to(torch.int8), prepend=flags.new_zeros(1, dtype=torch.int8),
+                                     append=flags.new_zeros(1, dtype=torch.int8))).flatten().tolist()
+    return list(zip(edges[0::2], edges[1::2]))
+
+
 def ring_attention(q, k, v, *, group=None, causal=False, scale=None, layout="zigzag", enable_gqa=False,
-                   return_lse=False, timeout=None, timings=None):
+                   return_lse=False, out=None, timeout=None, timings=None):
     """Attention over a sequence sharded across the ranks of group (ring / context
     parallelism): equal to attnkit.attention on the gathered q, k, v, up to float32
     rounding of the merges.
@@ -267,7 +329,8 @@ def ring_attention(q, k, v, *, group=None, causal=False, scale=None, layout="zig
     Each rank passes its shard, BHSD: q [B, Hq, Sq_r, D], k [B, Hkv, Skv_r, D],
     v [B, Hkv, Skv_r, Dv] (CPU torch tensors, float32 / float16 / bfloat16, any strides),
     and gets out [B, Hq, Sq_r, Dv] in q's dtype (and lse [B, Hq, Sq_r] float32, natural
-    log, with return_lse) for its own queries.
+    log, with return_lse) for its own queries. out=, if given, is that buffer (any strides,
+    not overlapping q, k or v) and is returned.
     - layout "contiguous": rank r holds a block of positions, blocks in rank order, any
       lengths (q and k/v sharded independently). "zigzag": the sequence is cut into
       2·world chunks and rank r holds chunks r and 2·world-1-r (shard_sequence), so
@@ -277,79 +340,109 @@ def ring_attention(q, k, v, *, group=None, causal=False, scale=None, layout="zig
       a longer K/V). A query row that sees no key gives out 0, lse -inf.
     - GQA with enable_gqa=True as in attention; scale defaults to 1/sqrt(D).
     K/V shards travel around the ring (isend to rank+1, irecv from rank-1) while the
-    current shard is computed; each block's partial (out, lse) merges into a float32
-    accumulator with merge_attention_states. For bf16/fp16 each partial out is rounded to
-    the input dtype before its merge.
+    current shard is computed; each step's visible part is one or two attention calls
+    (visible_runs). A row's first partial is written in place; later ones merge into it by
+    their lse (merge_attention_states), in float32 except for bf16/fp16 over more than two
+    ranks, where a float32 accumulator keeps the sum (out then rounds once, at the end;
+    each partial out is rounded to the input dtype before its merge). The transfer and
+    scratch buffers stay allocated on the calling thread for the next call.
 
     Before any transfer the ranks all-gather their shapes, dtypes and options; invalid or
     inconsistent input raises the same ValueError on every rank. That exchange and every
     transfer wait at most timeout (a datetime.timedelta, default 5 minutes), then raise
     RuntimeError (e.g. a rank that never calls); the group is then unusable, as after any
-    failed collective. timings, if a list,
-    gets one dict per ring step: {"step", "compute_s", "wait_s"}. Forward only (no autograd).
+    failed collective. timings, if a list, gets one dict per ring step: {"step",
+    "compute_s" (attention calls and merges), "merge_s" (of which merges and copies),
+    "wait_s" (transfer not hidden)}. Forward only (no autograd).
     """
     rank, world = _rank_and_size(group)
     timeout = _DEFAULT_TIMEOUT if timeout is None else timeout
-    descs = _exchange(_describe(q, k, v, causal, scale, layout, enable_gqa, return_lse, timeout), group, world,
-                      rank, timeout)
+    descs = _exchange(_describe(q, k, v, out, causal, scale, layout, enable_gqa, return_lse, timeout), group,
+                      world, rank, timeout)
     q_lens, kv_lens = _agree(descs, world)
 
     code = causal_code(causal)
-    B, Hq, Sq, _ = q.shape
-    Dv = v.shape[3]
+    scale = None if scale is None else float(scale)
+    B, Hq, Sq, D = q.shape
+    Hkv, Dv = k.shape[1], v.shape[3]
     shift = sum(kv_lens) - sum(q_lens) if code == 2 else 0  # key j visible from query i iff j <= i + shift
     q_segments = _segments(q_lens, world, rank, layout)
-    acc = torch.zeros(B, Hq, Sq, Dv, dtype=torch.float32)
-    acc_lse = torch.full((B, Hq, Sq), -math.inf, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(B, Hq, Sq, Dv, dtype=q.dtype)
+    lse = torch.empty(B, Hq, Sq, dtype=torch.float32)
+    # A row gets at most one partial per step: with two steps, merging the second into the
+    # first rounds once, as a float32 accumulator would.
+    exact_in_out = q.dtype == torch.float32 or world <= 2
+    acc = out if exact_in_out else _typed("acc", (B, Hq, Sq, Dv), torch.float32)
+    seen = torch.zeros(Sq, dtype=torch.bool)  # rows holding a partial
 
     def attend(kb, vb, origin):
-        """Merges the attention of this rank's queries over origin's K/V block into acc."""
-        calls = []
+        """Adds the attention of this rank's queries over origin's K/V block to acc;
+        returns the seconds spent merging."""
         if code == 0:
-            calls.append((0, Sq, kb, vb, False))
+            runs = [(0, Sq, kb.shape[2], False)] if Sq and kb.shape[2] else []
         else:
-            local_q = 0
-            for qs, qe in q_segments:
-                local_k = 0
-                for ks, ke in _segments(kv_lens, world, origin, layout):
-                    for r0, r1, k_end, piece in causal_pieces(qe - qs, ke - ks, qs + shift - ks):
-                        calls.append((local_q + r0, local_q + r1, kb[:, :, local_k:local_k + k_end],
-                                      vb[:, :, local_k:local_k + k_end], piece))
-                    local_k += ke - ks
-                local_q += qe - qs
-        for r0, r1, kp, vp, piece_causal in calls:
-            if r1 <= r0 or kp.shape[2] == 0:
-                continue
-            part, part_lse = attention(q[:, :, r0:r1], kp, vp, causal=piece_causal, scale=scale,
-                                       enable_gqa=enable_gqa, return_lse=True)
-            rows, rows_lse = acc[:, :, r0:r1], acc_lse[:, :, r0:r1]
-            merge_attention_states(rows, rows_lse, part, part_lse, out=rows, lse_out=rows_lse)
+            runs = visible_runs(q_segments, _segments(kv_lens, world, origin, layout), shift)
+        merge_s = 0.0
+        for r0, r1, kv_end, run_causal in runs:
+            args = (q[:, :, r0:r1], kb[:, :, :kv_end], vb[:, :, :kv_end], None, causal_code(run_causal), scale, 0.0,
+                    None, enable_gqa, "BHSD")
+            rows, rows_lse = acc[:, :, r0:r1], lse[:, :, r0:r1]
+            fresh = not bool(seen[r0:r1].any())
+            if fresh and acc.dtype == q.dtype:
+                run_attention(*args, rows, rows_lse)
+            else:
+                part = _typed("part", (B, Hq, r1 - r0, Dv), q.dtype)
+                part_lse = _typed("part_lse", (B, Hq, r1 - r0), torch.float32)
+                run_attention(*args, part, part_lse)
+                t = time.perf_counter()
+                if fresh:
+                    rows.copy_(part)
+                    rows_lse.copy_(part_lse)
+                else:
+                    for s, e in _true_runs(~seen[r0:r1]):  # rows without a partial yet: empty
+                        rows[:, :, s:e].zero_()
+                        rows_lse[:, :, s:e].fill_(-math.inf)
+                    merge_attention_states(rows, rows_lse, part, part_lse, out=rows, lse_out=rows_lse)
+                merge_s += time.perf_counter() - t
+            seen[r0:r1] = True
+        return merge_s
 
     prev_rank = dist.get_global_rank(group, (rank - 1) % world) if group is not None else (rank - 1) % world
     next_rank = dist.get_global_rank(group, (rank + 1) % world) if group is not None else (rank + 1) % world
-    current = _pack(k, v) if world > 1 else None
+    block_shapes = [((B, Hkv, n, D), (B, Hkv, n, Dv)) for n in kv_lens]
+    block_bytes = [B * Hkv * n * (D + Dv) * q.dtype.itemsize for n in kv_lens]
+    if world > 1:  # k and v packed in one byte buffer: any dtype travels through gloo as uint8
+        current, incoming = _buffer("send", max(block_bytes)), _buffer("recv", max(block_bytes))
+        packed_k, packed_v = _unpack(current, *block_shapes[rank], q.dtype)
+        packed_k.copy_(k)
+        packed_v.copy_(v)
     kb, vb = k, v
-    for step in range(world):
-        origin = (rank - step) % world
-        works = []
-        if step + 1 < world:
-            source = (rank - step - 1) % world
-            block_bytes = B * k.shape[1] * kv_lens[source] * (q.shape[3] + Dv) * q.dtype.itemsize
-            incoming = torch.empty(max(1, block_bytes), dtype=torch.uint8)
-            works = [dist.isend(current, next_rank, group=group), dist.irecv(incoming, prev_rank, group=group)]
-        t0 = time.perf_counter()
-        attend(kb, vb, origin)
-        t1 = time.perf_counter()
-        for w in works:
-            if not w.wait(timeout):
-                raise RuntimeError(f"ring_attention: rank {rank}: step {step} transfer timed out after {timeout}")
-        t2 = time.perf_counter()
-        if timings is not None:
-            timings.append({"step": step, "compute_s": t1 - t0, "wait_s": t2 - t1})
-        if works:
-            current = incoming
-            source = (rank - step - 1) % world
-            kb, vb = _unpack(incoming, (B, k.shape[1], kv_lens[source], q.shape[3]),
-                             (B, k.shape[1], kv_lens[source], Dv), q.dtype)
-    out = acc.to(q.dtype)
-    return (out, acc_lse) if return_lse else out
+    try:
+        for step in range(world):
+            works = []
+            if step + 1 < world:
+                origin, source = (rank - step) % world, (rank - step - 1) % world
+                works = [dist.isend(current[:max(1, block_bytes[origin])], next_rank, group=group),
+                         dist.irecv(incoming[:max(1, block_bytes[source])], prev_rank, group=group)]
+            t0 = time.perf_counter()
+            merge_s = attend(kb, vb, (rank - step) % world)
+            t1 = time.perf_counter()
+            for w in works:
+                if not w.wait(timeout):
+                    raise RuntimeError(f"ring_attention: rank {rank}: step {step} transfer timed out after {timeout}")
+            t2 = time.perf_counter()
+            if timings is not None:
+                timings.append({"step": step, "compute_s": t1 - t0, "merge_s": merge_s, "wait_s": t2 - t1})
+            if works:
+                kb, vb = _unpack(incoming, *block_shapes[source], q.dtype)
+                current, incoming = incoming, current  # send on what came in; receive into what went out
+    except RuntimeError:
+        _workspace.__dict__.pop("buffers", None)  # a transfer may still land in them
+        raise
+    for s, e in _true_runs(~seen):
+        acc[:, :, s:e].zero_()
+        lse[:, :, s:e].fill_(-math.inf)
+    if acc is not out:
+        out.copy_(acc)
+    return (out, lse) if return_lse else out

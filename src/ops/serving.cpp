@@ -180,6 +180,9 @@ void varlen_attention(const VarlenAttentionArgs& a) {
   packed_strides(a.k, p.k_stride);
   packed_strides(a.v, p.v_stride);
   packed_strides(a.out, p.out_stride);
+  if (total_k == 0) {  // no keys: k and v are never read and may be null (zero strides: no offsets from null)
+    for (int d4 = 0; d4 < 4; ++d4) p.k_stride[d4] = p.v_stride[d4] = 0;
+  }
   if (a.lse) {
     p.lse = static_cast<float*>(a.lse->data);
     p.lse_stride[0] = 0, p.lse_stride[1] = a.lse->strides[1], p.lse_stride[2] = a.lse->strides[0];

@@ -1,7 +1,7 @@
 // Reliability of the C++ API (issue 12): NaN and inf in q and k propagate through int8
 // sage_attention exactly as through exact attention; sizes and strides whose offsets
 // overflow int64 and self-overlapping outputs are errors; scales are checked in float32;
-// empty K/V may have a null data pointer; bf16 K may start at an odd element.
+// empty K/V may have a null data pointer (dense and varlen); bf16 K may start at an odd element.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -186,6 +186,33 @@ TEST(Reliability, EmptyKeysWithNullData) {
       a.out = TensorView(out.data(), DType::float32, {1, 2, 3, 4});
       a.lse = TensorView(lse.data(), DType::float32, {1, 2, 3});
       op(a);
+      for (float x : out) EXPECT_EQ(x, 0.0f) << isa;
+      for (float x : lse) EXPECT_EQ(x, -INFINITY) << isa;
+    }
+  }
+}
+
+// The same for varlen_attention with no keys at all (total_k = 0, null k and v with a
+// non-zero head stride): found by the fuzz driver, UBSan reported the kernel forming an
+// offset from the null pointer.
+TEST(Reliability, VarlenEmptyKeysWithNullData) {
+  IsaGuard guard;
+  std::vector<float> q = randn(3 * 2 * 8, 5);
+  std::vector<int32_t> cu_q = {0, 1, 3}, cu_k = {0, 0, 0};
+  for (const std::string& isa : supported_isas()) {
+    set_isa(isa);
+    for (bool causal : {false, true}) {
+      std::vector<float> out(3 * 2 * 4, NAN), lse(3 * 2, NAN);
+      VarlenAttentionArgs a;
+      a.q = TensorView(q.data(), DType::float32, {3, 2, 8});
+      a.k = TensorView(nullptr, DType::float32, {0, 2, 8}, {-16, -8, 1});
+      a.v = TensorView(nullptr, DType::float32, {0, 2, 4}, {8, 4, 1});
+      a.cu_seqlens_q = TensorView(cu_q.data(), DType::int32, {3});
+      a.cu_seqlens_k = TensorView(cu_k.data(), DType::int32, {3});
+      a.out = TensorView(out.data(), DType::float32, {3, 2, 4});
+      a.lse = TensorView(lse.data(), DType::float32, {3, 2});
+      a.causal = causal;
+      varlen_attention(a);
       for (float x : out) EXPECT_EQ(x, 0.0f) << isa;
       for (float x : lse) EXPECT_EQ(x, -INFINITY) << isa;
     }

@@ -66,21 +66,41 @@ def test_sequence_segments_partition(layout):
         ad.sequence_segments(16, 2, 0, "ring")
 
 
-def test_causal_pieces_cover_the_mask_exactly():
-    # Every (query, key) pair with key <= query + shift is in exactly one piece, none other.
-    for q_len in range(0, 6):
-        for kv_len in range(0, 7):
-            for shift in range(-8, 9):
-                want = np.arange(kv_len)[None, :] <= np.arange(q_len)[:, None] + shift
-                got = np.zeros((q_len, kv_len), int)
-                for r0, r1, k_end, causal in ad.causal_pieces(q_len, kv_len, shift):
-                    assert causal in (False, "bottom_right")
-                    assert 0 <= r0 < r1 <= q_len and 0 < k_end <= kv_len
-                    for a in range(r0, r1):
-                        for b in range(k_end):
-                            # bottom-right on the piece: row a - r0 sees b <= (a - r0) + k_end - (r1 - r0)
-                            got[a, b] += not causal or b <= (a - r0) + k_end - (r1 - r0)
-                np.testing.assert_array_equal(got, want.astype(int), err_msg=f"{q_len} {kv_len} {shift}")
+def test_visible_runs_cover_the_mask_exactly():
+    # For ascending disjoint segments of rows and keys and any shift, every (query, key) pair
+    # with key <= query + shift (global positions) is in exactly one run, none other.
+    rng = np.random.default_rng(0)
+
+    def segments(total, count):
+        cuts = np.sort(rng.integers(0, total + 1, 2 * count)).tolist()
+        return [(cuts[2 * i], cuts[2 * i + 1]) for i in range(count)]
+
+    for _ in range(3000):
+        total = int(rng.integers(0, 14))
+        q_segments, kv_segments = segments(total, int(rng.integers(1, 3))), segments(total, int(rng.integers(1, 3)))
+        shift = int(rng.integers(-8, 9))
+        q_pos = [a for s, e in q_segments for a in range(s, e)]
+        kv_pos = [b for s, e in kv_segments for b in range(s, e)]
+        want = (np.array(kv_pos, int)[None, :] <= np.array(q_pos, int)[:, None] + shift).astype(int)
+        got = np.zeros((len(q_pos), len(kv_pos)), int)
+        for r0, r1, kv_end, causal in ad.visible_runs(q_segments, kv_segments, shift):
+            assert causal in (False, "bottom_right")
+            assert 0 <= r0 < r1 <= len(q_pos) and 0 < kv_end <= len(kv_pos)
+            for a in range(r0, r1):
+                for b in range(kv_end):
+                    # bottom-right on the run: row a - r0 sees b <= (a - r0) + kv_end - (r1 - r0)
+                    got[a, b] += not causal or b <= (a - r0) + kv_end - (r1 - r0)
+        np.testing.assert_array_equal(got, want, err_msg=f"{q_segments} {kv_segments} {shift}")
+
+
+def test_visible_runs_one_call_per_zigzag_step():
+    # 2 ranks, zigzag, causal: each step is one attention call, its own block one
+    # bottom-right call across both chunks (chunk sizes 4, S = 16).
+    segments = [ad.sequence_segments(16, 2, r) for r in range(2)]
+    assert ad.visible_runs(segments[0], segments[0], 0) == [(0, 8, 8, "bottom_right")]
+    assert ad.visible_runs(segments[0], segments[1], 0) == [(4, 8, 8, False)]
+    assert ad.visible_runs(segments[1], segments[0], 0) == [(0, 8, 4, False)]
+    assert ad.visible_runs(segments[1], segments[1], 0) == [(0, 8, 8, "bottom_right")]
 
 
 def test_needs_an_initialised_group():
@@ -111,8 +131,9 @@ def _inputs(seed, shape_q, shape_kv, dv, dtype=torch.float32):
 
 
 def _ring_case(rank, world, *, seed, B, Hq, Hkv, Sq, Skv, D, Dv, causal, layout, dtype=torch.float32,
-               q_lens=None, kv_lens=None, group=None):
-    """Ring attention on this rank's shard against the float64 reference and one process."""
+               q_lens=None, kv_lens=None, group=None, with_out=False):
+    """Ring attention on this rank's shard against the float64 reference and one process
+    (with_out: into a NaN-poisoned out=, a strided view)."""
     q, k, v = _inputs(seed, (B, Hq, Sq, D), (B, Hkv, Skv, D), Dv, dtype)
     if q_lens is None:
         lq = ad.shard_sequence(q, world, rank, layout=layout)
@@ -121,9 +142,14 @@ def _ring_case(rank, world, *, seed, B, Hq, Hkv, Sq, Skv, D, Dv, causal, layout,
         qs, ks = sum(q_lens[:rank]), sum(kv_lens[:rank])
         lq, lk, lv = q[:, :, qs:qs + q_lens[rank]], k[:, :, ks:ks + kv_lens[rank]], v[:, :, ks:ks + kv_lens[rank]]
     timings = []
+    given = None
+    if with_out:  # BSHD storage seen as BHSD: not contiguous
+        given = torch.full((B, lq.shape[2], Hq, Dv), float("nan"), dtype=dtype).transpose(1, 2)
     out, lse = ad.ring_attention(lq, lk, lv, group=group, causal=causal, layout=layout, enable_gqa=Hq != Hkv,
-                                 return_lse=True, timings=timings)
-    assert len(timings) == world and all(t["compute_s"] >= 0 and t["wait_s"] >= 0 for t in timings)
+                                 return_lse=True, out=given, timings=timings)
+    assert given is None or out is given
+    assert len(timings) == world
+    assert all(t["compute_s"] >= t["merge_s"] >= 0 and t["wait_s"] >= 0 for t in timings)
     assert out.dtype == dtype and out.shape == lq.shape[:3] + (Dv,) and lse.shape == lq.shape[:3]
     full = ad.gather_sequence(out, group=group, layout=layout)
     full_lse = ad.gather_sequence(lse, group=group, layout=layout)
@@ -163,8 +189,16 @@ def _two_ranks(rank, world, store_path):
     # with an empty k/v shard.
     _ring_case(rank, world, seed=5, B=1, Hq=2, Hkv=2, Sq=30, Skv=12, D=16, Dv=16, causal=True,
                layout="contiguous", dtype=torch.bfloat16, q_lens=[16, 14], kv_lens=[12, 0])
-    # Non-causal zigzag, the case of 300 keys over tile edges.
-    _ring_case(rank, world, seed=6, B=1, Hq=2, Hkv=1, Sq=300, Skv=300, D=64, Dv=64, causal=False, layout="zigzag")
+    # Non-causal zigzag, the case of 300 keys over tile edges, into out=.
+    _ring_case(rank, world, seed=6, B=1, Hq=2, Hkv=1, Sq=300, Skv=300, D=64, Dv=64, causal=False, layout="zigzag",
+               with_out=True)
+    # Causal shards where a step's run covers rows with and without an earlier partial; bf16
+    # into out= (out itself accumulates); the same call twice (the kept buffers are reused).
+    for _ in range(2):
+        _ring_case(rank, world, seed=9, B=1, Hq=2, Hkv=2, Sq=11, Skv=12, D=8, Dv=8, causal=True,
+                   layout="contiguous", q_lens=[4, 7], kv_lens=[5, 7], dtype=torch.bfloat16, with_out=True)
+    _ring_case(rank, world, seed=10, B=1, Hq=2, Hkv=1, Sq=9, Skv=14, D=8, Dv=8, causal="bottom_right",
+               layout="contiguous", q_lens=[2, 7], kv_lens=[8, 6], with_out=True)
 
     # Errors: the same ValueError on both ranks, no hang.
     x = torch.randn(1, 2, 8, 16)
@@ -190,6 +224,17 @@ def _two_ranks(rank, world, store_path):
                   r"rank 1: timeout must be a datetime.timedelta, got int")
     _expect_error(lambda: ad.ring_attention(x, x.to(torch.float16), x, layout="zigzag"),
                   r"q, k and v must have one dtype")
+    _expect_error(lambda: ad.ring_attention(x, x, x, layout="contiguous", out=torch.empty(1, 2, 8, 16 - rank)),
+                  r"invalid input on rank 1: out must be torch.float32 \[1, 2, 8, 16\] \(q's dtype, \[B, Hq, Sq, Dv\]\), "
+                  r"got torch.float32 \[1, 2, 8, 15\]")
+    _expect_error(lambda: ad.ring_attention(x, x, x, layout="contiguous", out=bf.clone() if rank else None),
+                  r"invalid input on rank 1: out must be torch.float32 .* got torch.bfloat16")
+    _expect_error(lambda: ad.ring_attention(x, x, x, layout="contiguous", out=x.numpy() if rank else None),
+                  r"invalid input on rank 1: out must be None or a CPU torch tensor, got ndarray")
+    kv = torch.randn(1, 2, 16, 16)
+    _expect_error(lambda: ad.ring_attention(x, kv[:, :, :8], kv[:, :, :8],
+                                            layout="contiguous", out=kv[:, :, 4:12] if rank == 0 else None),
+                  r"invalid input on rank 0: out must not overlap k")
     # After the errors the group still works.
     _ring_case(rank, world, seed=7, B=1, Hq=1, Hkv=1, Sq=8, Skv=8, D=8, Dv=8, causal=True, layout="zigzag")
     # A group of one rank: no transfers, the whole sequence.
@@ -245,6 +290,12 @@ def _three_ranks(rank, world, store_path):
                layout="contiguous", q_lens=[20, 1, 10], kv_lens=[20, 1, 10])
     _ring_case(rank, world, seed=15, B=1, Hq=2, Hkv=2, Sq=17, Skv=9, D=8, Dv=4, causal=False,
                layout="contiguous", q_lens=[0, 9, 8], kv_lens=[3, 3, 3])
+    # bf16 over 3 ranks: a float32 accumulator; runs over rows with and without a partial,
+    # rows whose first partial comes late, rows that see no key.
+    _ring_case(rank, world, seed=17, B=1, Hq=2, Hkv=1, Sq=19, Skv=9, D=8, Dv=8, causal="bottom_right",
+               layout="contiguous", q_lens=[8, 4, 7], kv_lens=[5, 1, 3], dtype=torch.bfloat16, with_out=True)
+    _ring_case(rank, world, seed=18, B=1, Hq=4, Hkv=2, Sq=61, Skv=61, D=16, Dv=16, causal=True, layout="zigzag",
+               dtype=torch.bfloat16)
     # A subgroup of global ranks 1 and 2: ring neighbours are mapped to global ranks.
     pair = dist.new_group([1, 2])
     if rank > 0:
@@ -267,4 +318,8 @@ def test_ring_benchmark_runs(capfd):
     assert ring.main(["--seq", "256", "--heads", "2", "--kv-heads", "1", "--dim", "32", "--reps", "1"]) == 0
     text = capfd.readouterr().out  # the ranks print from their own processes
     assert "verified: ring vs one process" in text and "| 2 ranks x 1 thread (ring_attention) |" in text
-    assert len(re.findall(r"^\| [01] \| [01] \| [0-9.]+ \| [0-9.]+ \|$", text, re.M)) == 4  # 2 ranks x 2 steps
+    # 2 ranks x 2 steps of compute, merge and wait
+    assert len(re.findall(r"^\| [01] \| [01] \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|$", text, re.M)) == 4
+    assert re.search(r"^speed-up rep by rep: median [0-9.]+x, min [0-9.]+x, max [0-9.]+x$", text, re.M)
+    assert re.search(r"^outside the steps \(exchange, packing\), ms per call: rank 0 [0-9.]+, rank 1 [0-9.]+$", text,
+                     re.M)

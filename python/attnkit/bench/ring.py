@@ -3,15 +3,19 @@
 2 ranks × 1 thread (gloo on loopback, zigzag shards) against 1 process × 1 thread
 (attnkit.attention on the whole sequence), causal, interleaved rep by rep inside one
 spawned group: rank 0 times the single-process call while rank 1 waits at a barrier,
-then both time ring_attention. Reports medians of the wall time (the slower rank), the
-speed-up, the CPU time of each (independent of how busy the machine is), and per ring
-step the median compute and wait (transfer not hidden) of each rank. The ring output is
-checked against the single-process one first.
+then both time ring_attention. Each rank is pinned to its own core (--no-pin: not), and
+both contenders write preallocated outputs (out=), so neither pays first-touch page faults
+on a new output each call (--fresh-out: they allocate, as plain calls do). Reports medians
+of the wall time (the slower rank), the speed-up with its spread over reps, the CPU time
+and page faults of each, and per rank and ring step the median compute (of which merging),
+wait (transfer not hidden) and the time outside the steps (exchange of shapes, packing).
+The ring output is checked against the single-process one first.
 """
 
 import argparse
 import datetime
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -28,6 +32,9 @@ def _rank_main(rank, world, store_path, args, result_path):
     import attnkit
     from attnkit import distributed as ad
 
+    if args.pin:  # before gloo starts its threads: they share the rank's core
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
     torch.set_num_threads(1)
     attnkit.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
@@ -40,23 +47,30 @@ def _rank_main(rank, world, store_path, args, result_path):
     gqa = args.heads != args.kv_heads
     lq, lk, lv = (ad.shard_sequence(x, world, rank, layout="zigzag") for x in (q, k, v))
 
-    single_s, ring_s, steps, single_cpu, ring_cpu = [], [], [], [], []
+    out_single = None if args.fresh_out else torch.empty(1, args.heads, args.seq, args.dim, dtype=dtype)
+    out_ring = None if args.fresh_out else torch.empty(lq.shape, dtype=dtype)
+    single_s, single_cpu, single_faults, ring_s, ring_cpu, ring_faults, steps, outside = ([] for _ in range(8))
     for rep in range(args.reps + 1):  # rep 0 warms up and verifies
         dist.barrier()
         if rank == 0:
-            t0, c0 = time.perf_counter(), time.process_time()
-            want = attnkit.attention(q, k, v, causal=True, enable_gqa=gqa)
+            t0, c0, f0 = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            want = attnkit.attention(q, k, v, causal=True, enable_gqa=gqa, out=out_single)
             single_s.append(time.perf_counter() - t0)
             single_cpu.append(time.process_time() - c0)
+            single_faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
         dist.barrier()
         timings = []
-        t0, c0 = time.perf_counter(), time.process_time()
-        out = ad.ring_attention(lq, lk, lv, causal=True, layout="zigzag", enable_gqa=gqa, timings=timings)
-        wall = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        t0, c0, f0 = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        out = ad.ring_attention(lq, lk, lv, causal=True, layout="zigzag", enable_gqa=gqa, out=out_ring,
+                                timings=timings)
+        mine = time.perf_counter() - t0
         ring_cpu.append(time.process_time() - c0)
+        ring_faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+        wall = torch.tensor([mine], dtype=torch.float64)
         dist.all_reduce(wall, op=dist.ReduceOp.MAX)
         ring_s.append(wall.item())
         steps.append(timings)
+        outside.append(mine - sum(t["compute_s"] + t["wait_s"] for t in timings))
         if rep == 0:
             full = ad.gather_sequence(out, layout="zigzag")
             if rank == 0:
@@ -66,12 +80,13 @@ def _rank_main(rank, world, store_path, args, result_path):
                     raise AssertionError(f"ring output differs from one process by {err} (> {tol})")
                 print(f"verified: ring vs one process, max |diff| {err:.2e}", flush=True)
     gathered = [None] * world
-    dist.all_gather_object(gathered, (steps[1:], ring_cpu[1:]))
+    dist.all_gather_object(gathered, (steps[1:], ring_cpu[1:], ring_faults[1:], outside[1:]))
     if rank == 0:
         import json
         with open(result_path, "w") as f:
-            json.dump({"single_s": single_s[1:], "single_cpu_s": single_cpu[1:], "ring_s": ring_s[1:],
-                       "steps": [g[0] for g in gathered], "ring_cpu_s": [g[1] for g in gathered]}, f)
+            json.dump({"single_s": single_s[1:], "single_cpu_s": single_cpu[1:], "single_faults": single_faults[1:],
+                       "ring_s": ring_s[1:], "steps": [g[0] for g in gathered], "ring_cpu_s": [g[1] for g in gathered],
+                       "ring_faults": [g[2] for g in gathered], "outside_s": [g[3] for g in gathered]}, f)
     dist.destroy_process_group()
 
 
@@ -83,6 +98,8 @@ def main(argv=None):
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--no-pin", dest="pin", action="store_false", help="leave the ranks unpinned")
+    p.add_argument("--fresh-out", action="store_true", help="allocate outputs on every call")
     args = p.parse_args(argv)
     import json
 
@@ -94,28 +111,37 @@ def main(argv=None):
         with open(result_path) as f:
             r = json.load(f)
     single, ring = statistics.median(r["single_s"]), statistics.median(r["ring_s"])
+    ratios = sorted(s / t for s, t in zip(r["single_s"], r["ring_s"]))  # rep by rep: the same moment
     flops = 4 * args.seq * args.seq * args.dim * args.heads / 2  # causal: half the score matrix
     print(f"shape B=1 Hq={args.heads} Hkv={args.kv_heads} S={args.seq} D=Dv={args.dim} {args.dtype} causal, "
-          f"zigzag, {args.reps} reps (medians; machine shared, figures indicative)")
+          f"zigzag, {args.reps} reps, ranks {'pinned to a core each' if args.pin else 'unpinned'}, outputs "
+          f"{'allocated per call' if args.fresh_out else 'preallocated (out=)'} (medians; on a shared machine "
+          "the figures are indicative)")
     print("| contender | ms | GFLOP/s | speed-up |")
     print("|---|---|---|---|")
     print(f"| 1 rank x 1 thread (attnkit.attention) | {single * 1e3:.0f} | {flops / single / 1e9:.1f} | 1.00x |")
     print(f"| 2 ranks x 1 thread (ring_attention) | {ring * 1e3:.0f} | {flops / ring / 1e9:.1f} | "
           f"{single / ring:.2f}x |")
+    print(f"speed-up rep by rep: median {statistics.median(ratios):.2f}x, min {ratios[0]:.2f}x, max {ratios[-1]:.2f}x")
     print(f"single reps (ms): {[round(x * 1e3) for x in r['single_s']]}; ring reps (ms): "
           f"{[round(x * 1e3) for x in r['ring_s']]}")
     # CPU seconds (process time, gloo's threads included) do not depend on how many cores
     # the other tenants leave: they show how the work splits.
     cpu = [statistics.median(c) for c in r["ring_cpu_s"]]
-    print(f"CPU s per call (medians): 1 rank {statistics.median(r['single_cpu_s']):.2f}; ring ranks "
-          + ", ".join(f"{c:.2f}" for c in cpu))
-    print("| rank | step | compute ms (median) | wait ms (median) |")
-    print("|---|---|---|---|")
+    print(f"CPU s per call (medians): 1 rank {statistics.median(r['single_cpu_s']):.3f}; ring ranks "
+          + ", ".join(f"{c:.3f}" for c in cpu))
+    print(f"page faults per call (medians): 1 rank {statistics.median(r['single_faults']):.0f}; ring ranks "
+          + ", ".join(f"{statistics.median(f):.0f}" for f in r["ring_faults"]))
+    print("| rank | step | compute ms | of which merge ms | wait ms |")
+    print("|---|---|---|---|---|")
     for rank, reps in enumerate(r["steps"]):
         for step in range(world):
             compute = statistics.median(rep[step]["compute_s"] for rep in reps)
+            merge = statistics.median(rep[step]["merge_s"] for rep in reps)
             wait = statistics.median(rep[step]["wait_s"] for rep in reps)
-            print(f"| {rank} | {step} | {compute * 1e3:.1f} | {wait * 1e3:.1f} |")
+            print(f"| {rank} | {step} | {compute * 1e3:.1f} | {merge * 1e3:.1f} | {wait * 1e3:.1f} |")
+    print("outside the steps (exchange, packing), ms per call: "
+          + ", ".join(f"rank {rank} {statistics.median(o) * 1e3:.1f}" for rank, o in enumerate(r["outside_s"])))
     return 0
 
 
