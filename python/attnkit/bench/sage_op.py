@@ -4,7 +4,8 @@ Shapes, inputs, FLOPs and the float64 reference subset are attention's (attentio
 shapes V and A, or a custom "key=value,..." spec; default dtypes bf16 and fp32 for every
 shape. The sage output is checked against the float64 reference with the quantized-attention
 contract (cosine similarity >= 0.999, relative L1 <= 0.02 per head), not attention's
-elementwise tolerance. Contenders: sage int8 (role attnkit), attnkit's exact attention on the
+elementwise tolerance. Contenders: sage int8 (role attnkit), sage int8_pv_int8 (P·V on int8 too,
+verified with the same contract), attnkit's exact attention on the
 fastest ISA and torch SDPA as peers, both verified as in --op attention (the ratio of
 attnkit-exact is sage's speedup over exact attention).
 
