@@ -11,7 +11,8 @@
 namespace attnkit {
 
 enum class SageMode : uint8_t {
-  int8,  // SageAttention2's recipe on this CPU (see python/attnkit/sage.py)
+  int8,          // SageAttention2's recipe on this CPU (see python/attnkit/sage.py)
+  int8_pv_int8,  // int8 too for P·V: u8 P per row and key tile × s8 V per channel (vpdpbusd)
   fp4,   // SageAttention3's NVFP4 numerics, emulated exactly (slow; docs/sage_fp4.md)
 };
 
@@ -26,6 +27,10 @@ struct SageArgs {
   int64_t window_left = -1, window_right = -1;
   std::optional<double> softcap;
   std::optional<TensorView> alibi_slopes, sinks;
+  // Modes int8 and int8_pv_int8 only: a mask as AttentionArgs::attn_mask, and key lengths
+  // (int32 [B], each in [0, Skv]): batch b sees keys j < kv_lens[b] only, as a key-padding
+  // mask would (the causal alignment stays Skv's); keys past it are never read.
+  std::optional<TensorView> attn_mask, kv_lens;
 };
 
 void sage_attention(const SageArgs& args);

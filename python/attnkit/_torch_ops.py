@@ -122,16 +122,16 @@ def sparse_mla(strict, *args):
 
 
 _LIB.define("sage_attention(Tensor q, Tensor k, Tensor v, int causal, float? scale, str layout, "
-            f"str mode, *, {_MODS}) -> (Tensor, Tensor)")
+            f"str mode, *, {_MODS}, Tensor? attn_mask=None, Tensor? kv_lens=None) -> (Tensor, Tensor)")
 
 
 def _sage_impl(q, k, v, causal, scale, layout, mode, *, window_left=-1, window_right=-1,
-               softcap=None, alibi_slopes=None, sinks=None):
+               softcap=None, alibi_slopes=None, sinks=None, attn_mask=None, kv_lens=None):
     out_shape, lse_shape = attention_shapes(q, k, v, layout)
     out = q.new_empty(out_shape)
     lse = q.new_empty(lse_shape, dtype=torch.float32)
     run_sage(q, k, v, causal, scale, layout, mode, out, lse, (window_left, window_right), softcap,
-             alibi_slopes, sinks)
+             alibi_slopes, sinks, attn_mask, kv_lens)
     return out, lse
 
 
@@ -145,10 +145,11 @@ torch.library.register_fake("attnkit::sage_attention", _sage_fake, lib=_LIB)
 
 
 def sage_attention(q, k, v, causal, scale, layout, mode, window=(-1, -1), softcap=None,
-                   alibi_slopes=None, sinks=None):
+                   alibi_slopes=None, sinks=None, attn_mask=None, kv_lens=None):
     """The torch path of attnkit.sage_attention: (out, lse)."""
     return torch.ops.attnkit.sage_attention(q, k, v, causal, scale, layout, mode,
-                                            **_mods(window, softcap, alibi_slopes, sinks))
+                                            **_mods(window, softcap, alibi_slopes, sinks),
+                                            attn_mask=attn_mask, kv_lens=kv_lens)
 
 
 def _mods(window, softcap, alibi_slopes, sinks):

@@ -1,25 +1,26 @@
 """SageAttention-style quantized attention."""
 
 from . import _C
-from ._arrays import FLOAT, dtype_name, empty_like_kind, kind_of, typed, typed_or_none, typed_output
+from ._arrays import FLOAT, MASK, dtype_name, empty_like_kind, kind_of, typed, typed_or_none, typed_output
 from .ops import attention_shapes, causal_code, check_kinds, check_scalars, check_softcap, flag, window_pair
 
-_MODES = ("int8", "fp4")
+_MODES = ("int8", "int8_pv_int8", "fp4")
 
 
 def run_sage(q, k, v, causal, scale, layout, mode, out, lse, window=(-1, -1), softcap=None,
-             alibi_slopes=None, sinks=None):
+             alibi_slopes=None, sinks=None, attn_mask=None, kv_lens=None):
     """Calls the kernel on checked kinds; out (and lse, if not None) are caller-owned."""
     _C.sage_attention(typed(q, "q"), typed(k, "k"), typed(v, "v"), typed_output(out, "out"),
                       None if lse is None else typed_output(lse, "lse", "float32"), causal, scale,
                       layout, mode, window[0], window[1], softcap,
-                      typed_or_none(alibi_slopes, "alibi_slopes", "float32"), typed_or_none(sinks, "sinks", "float32"))
+                      typed_or_none(alibi_slopes, "alibi_slopes", "float32"), typed_or_none(sinks, "sinks", "float32"),
+                      typed_or_none(attn_mask, "attn_mask", MASK), typed_or_none(kv_lens, "kv_lens", "int32"))
 
 
 def sage_attention(q, k, v, *, causal=False, scale=None, layout="BHSD", mode="int8", return_lse=False,
-                   window=None, softcap=None, alibi_slopes=None, sinks=None):
-    """Quantized attention with attnkit.attention's shapes and semantics (no mask, no
-    dropout; GQA/MQA served natively when Hq is a multiple of Hkv).
+                   window=None, softcap=None, alibi_slopes=None, sinks=None, attn_mask=None, kv_lens=None):
+    """Quantized attention with attnkit.attention's shapes and semantics (no dropout;
+    GQA/MQA served natively when Hq is a multiple of Hkv).
 
     mode "int8" — SageAttention2's recipe adapted to this CPU:
     - K is smoothed by subtracting its per-(batch, kv head) mean over tokens: softmax is
@@ -33,6 +34,22 @@ def sage_attention(q, k, v, *, causal=False, scale=None, layout="BHSD", mode="in
     - P·V: on avx512bf16, P and V rounded to bf16 and multiplied with vdpbf16ps (fp32
       sums; 1.75× the fp32 FMA rate there); elsewhere fp32. The quantisation of K is one
       pass over K per call; Q is quantised inside the kernel.
+    mode "int8_pv_int8" — mode "int8" with P·V on int8 too, the CPU counterpart of
+    SageAttention2's quantised P·V (sageattn_qk_int8_pv_fp8: there P and V are fp8 on the
+    GPU; here u8 × s8 for vpdpbusd):
+    - V is smoothed by subtracting its per-(batch, kv head, channel) mean over tokens (added
+      back exactly after the normalisation: Σ p (v - mean) / l + mean = Σ p v / l), then
+      quantised to int8 per channel (scale max|v - mean| / 127), once per call.
+    - P (in [0, 1] after the online softmax's max subtraction) is split per row and tile of
+      128 keys: its largest value (the key attention concentrates on) stays exact in fp32
+      (times that key's V codes), the rest is quantised to u8 with step (second largest) /
+      255. The tile's P is final when it is quantised, so a rise of the running max (the
+      rescale by alpha of the earlier tiles' fp32 sums) never re-quantises anything.
+    - P·V is an exact integer dot product per tile (vpdpbusd on avx512bf16, fp32 FMAs on
+      integers below 2^24 elsewhere: every ISA gets the same integers), dequantised by the
+      row's P scale into fp32 accumulators; the row sums l are of the unquantised P.
+    - Rows of V holding a NaN or inf keep zero codes and their products are added exactly,
+      so NaN and inf propagate as in exact attention.
     mode "fp4" — SageAttention3's numerics (sageattn3_blackwell), emulated exactly in double
     precision so a model's quality under SageAttention3 can be checked on a CPU; speed is
     secondary (scalar code, one thread per head). K smoothed by its token mean, Q by the
@@ -44,8 +61,15 @@ def sage_attention(q, k, v, *, causal=False, scale=None, layout="BHSD", mode="in
     sources and open questions, is docs/sage_fp4.md; lse is that of the FP4 logits.
 
     Score modifiers (window, softcap, alibi_slopes, sinks): as in attnkit.attention, honoured
-    by mode "int8" (the soft-cap acts on the logits with the K smoothing added back, so it
-    sees the same logits as attention); mode "fp4" refuses them (ValueError).
+    by modes "int8" and "int8_pv_int8" (the soft-cap acts on the logits with the K smoothing
+    added back, so it sees the same logits as attention); mode "fp4" refuses them (ValueError).
+
+    Masks (modes "int8" and "int8_pv_int8"; "fp4" refuses them): attn_mask as in
+    attnkit.attention (bool, True = attend, or additive float, broadcastable to
+    [B, Hq, Sq, Skv]); kv_lens, int32 [B] with values in [0, Skv]: batch b sees keys
+    j < kv_lens[b] only, as a key-padding mask would (the causal alignment stays Skv's), and
+    keys past it are never read (they may hold anything) — a padded batch in one call. A
+    row that sees no key gets out 0 and lse -inf, as in attnkit.attention.
 
     Inputs: numpy arrays or CPU torch tensors (torch goes through
     torch.ops.attnkit.sage_attention). Returns out, or (out, lse) with return_lse=True.
@@ -54,17 +78,19 @@ def sage_attention(q, k, v, *, causal=False, scale=None, layout="BHSD", mode="in
     scale, _ = check_scalars(scale, 0.0, None, layout)
     return_lse = flag(return_lse, "return_lse")
     if mode not in _MODES:
-        raise ValueError(f'mode must be "int8" or "fp4", got {mode!r}')
+        raise ValueError(f'mode must be "int8", "int8_pv_int8" or "fp4", got {mode!r}')
     window, softcap = window_pair(window), check_softcap(softcap)
     kind = kind_of(q, "q")
-    check_kinds(kind, (("k", k), ("v", v), ("alibi_slopes", alibi_slopes), ("sinks", sinks)), ("k", "v"))
+    check_kinds(kind, (("k", k), ("v", v), ("alibi_slopes", alibi_slopes), ("sinks", sinks),
+                       ("attn_mask", attn_mask), ("kv_lens", kv_lens)), ("k", "v"))
     if kind == "torch":
         from . import _torch_ops
         out, lse = _torch_ops.sage_attention(q, k, v, code, scale, layout, mode, window, softcap,
-                                             alibi_slopes, sinks)
+                                             alibi_slopes, sinks, attn_mask, kv_lens)
         return (out, lse) if return_lse else out
     out_shape, lse_shape = attention_shapes(q, k, v, layout)
     out = empty_like_kind("numpy", out_shape, dtype_name(q, "q", FLOAT))
     lse = empty_like_kind("numpy", lse_shape, "float32") if return_lse else None
-    run_sage(q, k, v, code, scale, layout, mode, out, lse, window, softcap, alibi_slopes, sinks)
+    run_sage(q, k, v, code, scale, layout, mode, out, lse, window, softcap, alibi_slopes, sinks, attn_mask,
+             kv_lens)
     return (out, lse) if return_lse else out

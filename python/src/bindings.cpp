@@ -213,7 +213,8 @@ void sage_attention(const InArray& q, const InArray& k, const InArray& v, const 
                     const std::optional<OutArray>& lse, int causal, std::optional<double> scale,
                     const std::string& layout, const std::string& mode, int64_t window_left,
                     int64_t window_right, std::optional<double> softcap,
-                    const std::optional<InArray>& alibi_slopes, const std::optional<InArray>& sinks) {
+                    const std::optional<InArray>& alibi_slopes, const std::optional<InArray>& sinks,
+                    const std::optional<InArray>& attn_mask, const std::optional<InArray>& kv_lens) {
   attnkit::SageArgs args;
   args.q = to_view(q, "q");
   args.k = to_view(k, "k");
@@ -227,12 +228,16 @@ void sage_attention(const InArray& q, const InArray& k, const InArray& v, const 
   args.softcap = softcap;
   args.alibi_slopes = to_view(alibi_slopes, "alibi_slopes");
   args.sinks = to_view(sinks, "sinks");
+  args.attn_mask = to_view(attn_mask, "attn_mask");
+  args.kv_lens = to_view(kv_lens, "kv_lens");
   if (mode == "int8") {
     args.mode = attnkit::SageMode::int8;
+  } else if (mode == "int8_pv_int8") {
+    args.mode = attnkit::SageMode::int8_pv_int8;
   } else if (mode == "fp4") {
     args.mode = attnkit::SageMode::fp4;
   } else {
-    throw attnkit::Error("mode must be \"int8\" or \"fp4\", got \"" + mode + "\"");
+    throw attnkit::Error("mode must be \"int8\", \"int8_pv_int8\" or \"fp4\", got \"" + mode + "\"");
   }
   run_op([&] { attnkit::sage_attention(args); });
 }
@@ -419,7 +424,8 @@ NB_MODULE(_C, m) {
   m.def("cast", &cast, "src"_a, "dst"_a);
   m.def("sage_attention", &sage_attention, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(), "causal"_a,
         "scale"_a.none(), "layout"_a, "mode"_a, "window_left"_a = -1, "window_right"_a = -1,
-        "softcap"_a.none() = nb::none(), "alibi_slopes"_a.none() = nb::none(), "sinks"_a.none() = nb::none());
+        "softcap"_a.none() = nb::none(), "alibi_slopes"_a.none() = nb::none(), "sinks"_a.none() = nb::none(),
+        "attn_mask"_a.none() = nb::none(), "kv_lens"_a.none() = nb::none());
   m.def("sparse_mla_prefill_fwd", &sparse_mla<&attnkit::sparse_mla_prefill_fwd>, "q"_a, "kv"_a, "indices"_a,
         "sm_scale"_a, "d_v"_a, "q_scale"_a.none(), "kv_scale"_a.none(), "attn_sink"_a.none(),
         "topk_length"_a.none(), "out"_a, "max_logits"_a, "lse"_a);

@@ -28,7 +28,7 @@ using fwd::QuantizedKeys;
 template <DType T, DType TK = T>
 void run_attention(const AttentionParams& p, const QuantizedKeys* kq = nullptr) {
   const int threads = detail::num_threads();
-  const Plan plan(p, kq != nullptr);
+  const Plan plan(p, kq != nullptr, kq != nullptr && kq->v_codes != nullptr);
   AlignedBuffer<float> workspace(plan.workspace_floats * threads);
   AlignedBuffer<float> partial(plan.partial_floats * plan.slots);
   const AttentionTask<T, TK> task(p, plan, kq);
@@ -73,31 +73,41 @@ void attention_fwd(const AttentionParams& p) {
 
 namespace {
 
+// pv_int8: mode int8_pv_int8 (V as s8 codes for P·V), else V as bf16 pairs where they apply.
 template <DType T>
-void run_sage_int8(const AttentionParams& p) {
+void run_sage_int8(const AttentionParams& p, bool pv_int8) {
   const int64_t quads = (p.D + 3) / 4, tiles = (p.Skv + kKvTile - 1) / kKvTile;
-  const int64_t dv_pad = round_up(p.Dv, kLanes);
-  AlignedBuffer<uint8_t> codes(p.B * p.Hkv * p.Skv * 4 * quads);
-  AlignedBuffer<float> scale(p.B * p.Hkv * tiles), mean(p.B * p.Hkv * p.D);
-  AlignedBuffer<uint32_t> v_pairs(kDotProducts ? p.B * p.Hkv * ((p.Skv + 1) / 2) * dv_pad : 0);
-  AlignedBuffer<uint8_t> nonfinite(p.B * p.Hkv * p.Skv), tile_nonfinite(p.B * p.Hkv * tiles);
-  prepare_sage<T>(p, codes.data, scale.data, mean.data, v_pairs.data, nonfinite.data, tile_nonfinite.data,
-                  quads, tiles, dv_pad);
-  const QuantizedKeys kq{codes.data,     scale.data,          mean.data, v_pairs.data,
-                         nonfinite.data, tile_nonfinite.data, quads,     tiles};
+  const int64_t dv_pad = round_up(p.Dv, kLanes), heads = p.B * p.Hkv;
+  AlignedBuffer<uint8_t> codes(heads * p.Skv * 4 * quads);
+  AlignedBuffer<float> scale(heads * tiles), mean(heads * p.D);
+  AlignedBuffer<uint32_t> v_pairs(kDotProducts && !pv_int8 ? heads * ((p.Skv + 1) / 2) * dv_pad : 0);
+  AlignedBuffer<uint8_t> nonfinite(heads * p.Skv), tile_nonfinite(heads * tiles);
+  prepare_sage<T>(p, codes.data, scale.data, mean.data, pv_int8 ? nullptr : v_pairs.data, nonfinite.data,
+                  tile_nonfinite.data, quads, tiles, dv_pad);
+  AlignedBuffer<uint32_t> v_codes(pv_int8 ? heads * ((p.Skv + 3) / 4) * dv_pad : 0);
+  AlignedBuffer<float> v_scale(pv_int8 ? heads * dv_pad : 0), v_mean(pv_int8 ? heads * dv_pad : 0);
+  AlignedBuffer<uint8_t> v_nonfinite(pv_int8 ? heads * p.Skv : 0), v_tile_nonfinite(pv_int8 ? heads * tiles : 0);
+  if (pv_int8) {
+    fwd::prepare_sage_values<T>(p, v_codes.data, v_scale.data, v_mean.data, v_nonfinite.data,
+                                v_tile_nonfinite.data, tiles, dv_pad);
+  }
+  const QuantizedKeys kq{codes.data,        scale.data,          mean.data,   v_pairs.data,
+                         nonfinite.data,    tile_nonfinite.data, quads,       tiles,
+                         pv_int8 ? v_codes.data : nullptr,       v_scale.data, v_mean.data,
+                         v_nonfinite.data,  v_tile_nonfinite.data};
   run_attention<T>(p, &kq);
 }
 
 }  // namespace
 
-void sage_int8_fwd(const AttentionParams& p) {
+void sage_int8_fwd(const AttentionParams& p, bool pv_int8) {
   switch (p.dtype) {
     case DType::float16:
-      return run_sage_int8<DType::float16>(p);
+      return run_sage_int8<DType::float16>(p, pv_int8);
     case DType::bfloat16:
-      return run_sage_int8<DType::bfloat16>(p);
+      return run_sage_int8<DType::bfloat16>(p, pv_int8);
     default:
-      return run_sage_int8<DType::float32>(p);
+      return run_sage_int8<DType::float32>(p, pv_int8);
   }
 }
 

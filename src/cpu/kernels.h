@@ -8,7 +8,7 @@ namespace attnkit::cpu::ATTNKIT_ISA {
 
 void attention_fwd(const AttentionParams& params);
 void sparse_mla_fwd(const SparseMlaParams& params);
-void sage_int8_fwd(const AttentionParams& params);
+void sage_int8_fwd(const AttentionParams& params, bool pv_int8);
 void merge_states(const MergeStatesParams& params);
 void mla_decode_fwd(const MlaDecodeParams& params);
 void v32_quantize(const V32QuantizeParams& params);

@@ -132,7 +132,7 @@ def test_errors(rng):
     q, k, v = make_qkv(rng, 1, 4, 4, 16, 16, 32, 32, "float32")
     with pytest.raises(ValueError, match=r'mode "fp4" needs D a multiple of 16 and Dv == D .* got D=24 and Dv=24'):
         attnkit.sage_attention(q[..., :24], k[..., :24], v[..., :24], mode="fp4")
-    with pytest.raises(ValueError, match='mode must be "int8" or "fp4"'):
+    with pytest.raises(ValueError, match='mode must be "int8", "int8_pv_int8" or "fp4"'):
         attnkit.sage_attention(q, k, v, mode="int4")
     with pytest.raises(ValueError, match="k must have q's dtype float32, got bfloat16"):
         attnkit.sage_attention(q, randn(rng, k.shape, "bfloat16"), v)

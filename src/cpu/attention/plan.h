@@ -48,6 +48,15 @@ struct QuantizedKeys {
   const uint8_t* nonfinite;       // [B][Hkv][Skv]: 1 where the key row holds a NaN or inf
   const uint8_t* tile_nonfinite;  // [B][Hkv][tiles]: 1 where any key of the tile does
   int64_t quads, tiles;
+  // Sage int8_pv_int8 only (else null): V smoothed by its per-channel mean over tokens and
+  // quantised to s8 per channel, as quads of 4 consecutive keys (the s8 operand of
+  // vpdpbusd), with the rows holding a NaN or inf flagged and left at zero codes (their
+  // products are added exactly instead, fix_nonfinite_values).
+  const uint32_t* v_codes;          // [B][Hkv][ceil(Skv / 4)][dv_pad]
+  const float* v_scale;             // [B][Hkv][dv_pad]: per channel
+  const float* v_mean;              // [B][Hkv][dv_pad]
+  const uint8_t* v_nonfinite;       // [B][Hkv][Skv]
+  const uint8_t* v_tile_nonfinite;  // [B][Hkv][tiles]
 };
 
 // One sequence's share of the work: its row blocks (kv heads × head chunks × query blocks,
@@ -81,12 +90,14 @@ struct Plan {
   int64_t rows_pad, d_pad, dv_pad, workspace_floats, partial_floats;
   bool bf16_dot;             // bf16 inputs on avx512bf16: K·Qᵀ with vdpbf16ps
   bool int8;                 // sage int8 mode: K·Qᵀ on int8 codes
+  bool pv_int8;              // sage int8_pv_int8 mode: P·V on u8 P and s8 V codes too
   bool v_in_place;           // fp32 V rows with unit stride need no packing
   Mode tile;                 // row blocks of more rows
   Mode few[kLanes / 2 + 1];  // few[r]: row blocks of r rows, where key blocks pay
 
-  Plan(const AttentionParams& p, bool int8_mode) {
+  Plan(const AttentionParams& p, bool int8_mode, bool pv_int8_mode = false) {
     int8 = int8_mode;
+    pv_int8 = pv_int8_mode;
     heads_per_task = p.group < kRowTarget ? p.group : kRowTarget;
     positions_per_task = kRowTarget / heads_per_task;
     if (positions_per_task > p.Sq) positions_per_task = p.Sq;
@@ -110,6 +121,7 @@ struct Plan {
                        + kKvTile * dv_pad      // V tile (when packed)
                        + 8 * rows_pad;         // running max, sum, rescale; int8 q scale, sum;
                                                // sage's row shift; ALiBi slope, distance
+    if (pv_int8) workspace_floats += kKvTile * rows_pad + rows_pad * dv_pad + 3 * rows_pad;  // P codes, P·V, P scale, top P, its key
     partial_floats = rows_pad * (dv_pad + 2);  // o, m, l of one split
   }
 
@@ -187,7 +199,7 @@ struct Plan {
     // bf16 inputs round P to bf16 for P·V, as FlashAttention and torch do: the products
     // and sums stay fp32, and vdpbf16ps runs it at nearly twice the fp32 FMA rate. Decode
     // is bound by its reads, so it keeps P in fp32.
-    m.pv_bf16 = kDotProducts && (int8 || (bf16_dot && !key_blocks));
+    m.pv_bf16 = kDotProducts && ((int8 && !pv_int8) || (bf16_dot && !key_blocks));
     const int64_t elems = bf16_dot ? (p.D + 1) / 2 : p.D;  // per Q/K row: fp32, or bf16 pairs
     m.rows_per_vec = rows_per_vector(rows, elems);
     const int64_t segment = kLanes / m.rows_per_vec;
@@ -204,7 +216,7 @@ struct Plan {
       m.k_in_place = p.kv_dtype == DType::float32 && p.k_stride[3] == 1 && whole_chunks;
     }
     m.v_split_bf16 =
-        p.kv_dtype == DType::bfloat16 && p.v_stride[3] == 1 && p.Dv % (2 * kLanes) == 0 && !m.pv_bf16;
+        p.kv_dtype == DType::bfloat16 && p.v_stride[3] == 1 && p.Dv % (2 * kLanes) == 0 && !m.pv_bf16 && !pv_int8;
     return m;
   }
 };
@@ -213,6 +225,8 @@ struct Workspace {
   float *qt, *o, *st, *k, *v, *m, *l, *alpha, *q_scale;
   int32_t* q_sum;
   float *shift, *slope, *dist;  // per row: sage's q·mean (soft-cap only); ALiBi's slope, a - j0
+  float *p_codes, *pv, *p_scale, *p_top;  // sage int8_pv_int8: P's codes, a tile's P·V; per row P's
+  int32_t* p_top_key;                      // scale, its largest value in the tile and that one's key
   Workspace(float* base, const Plan& plan, const AttentionParams& p) {
     qt = base;
     o = qt + plan.d_pad * plan.rows_pad;
@@ -227,6 +241,15 @@ struct Workspace {
     shift = reinterpret_cast<float*>(q_sum + plan.rows_pad);
     slope = shift + plan.rows_pad;
     dist = slope + plan.rows_pad;
+    p_codes = pv = p_scale = p_top = nullptr;
+    p_top_key = nullptr;
+    if (plan.pv_int8) {
+      p_codes = dist + plan.rows_pad;
+      pv = p_codes + kKvTile * plan.rows_pad;
+      p_scale = pv + plan.rows_pad * plan.dv_pad;
+      p_top = p_scale + plan.rows_pad;
+      p_top_key = reinterpret_cast<int32_t*>(p_top + plan.rows_pad);
+    }
   }
 };
 

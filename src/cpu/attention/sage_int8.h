@@ -153,6 +153,184 @@ float AttentionTask<T, TK>::lse_shift(const RowBlock& rb, int64_t h, int64_t i) 
   return dot * p_.scale;
 }
 
+// Sage int8_pv_int8: O = O · alpha + P · V codes for one key tile. P (in [0, 1] after the
+// online softmax's max subtraction) is split per row: its largest value in the tile (the
+// key attention concentrates on: a sink, the diagonal) is kept exact in fp32, and the rest
+// is quantised to u8 with step (second largest) / 255, so small probabilities next to a
+// dominant one keep their precision (on all-MiniLM-L6-v2 this cut the worst head's
+// relative L1 from 0.05 to 0.004 in an emulation). A row whose P holds a NaN gets p_scale
+// NaN (exact attention's row is NaN too). The sums are exact integers: vpdpbusd, or fp32
+// FMAs on integers below 2^24 (255 · 127 · 128 < 2^23) elsewhere, so every ISA gets the
+// same integers. V's per-channel scale and mean are applied once, in write_out
+// (unquantize_pv).
+template <DType T, DType TK>
+void AttentionTask<T, TK>::pv_int8(const RowBlock& rb, int64_t j0, int64_t bc, const Workspace& w) const {
+  const int64_t ld = plan_.rows_pad, dv_pad = plan_.dv_pad, head = rb.b * p_.Hkv + rb.kvh;
+  [[maybe_unused]] const int64_t quads = (bc + 3) / 4;  // of keys: vpdpbusd's reduction
+  const uint32_t* v = kq_->v_codes + (head * ((p_.Skv + 3) / 4) + j0 / 4) * dv_pad;
+  const vfloat round = vbroadcast(12582912.0f);  // 1.5 · 2^23: adding it rounds [0, 255] to even
+  for (int64_t r = 0; r < ld; r += kLanes) {
+    // The largest and second largest P on the bits (P >= 0; NaN sorts above every finite value).
+    vint top{}, second{}, top_key{};
+    for (int64_t j = 0; j < bc; ++j) {
+      const vint bits = (vint)vload(w.st + j * ld + r) & 0x7FFFFFFF;
+      const vint above = bits > top;
+      second = above ? top : (bits > second ? bits : second);
+      top = above ? bits : top;
+      top_key = above ? static_cast<int32_t>(j) : top_key;
+    }
+    const vfloat rest_max = (vfloat)second, nan = vbroadcast(NAN), zero{};
+    vstore(w.p_scale + r, top > 0x7F800000 ? nan : rest_max * (1.0f / 255.0f));
+    vstore(w.p_top + r, (vfloat)top);
+    std::memcpy(w.p_top_key + r, &top_key, sizeof top_key);
+    const vfloat inv = rest_max > zero ? 255.0f / rest_max : zero;  // false for NaN: codes 0 there
+    auto code = [&](int64_t j) {  // 0 for the top key
+      const vfloat x = (vload(w.st + j * ld + r) * inv + round) - round;
+      return top_key == static_cast<int32_t>(j) ? zero : x;
+    };
+#if defined(ATTNKIT_ISA_avx512bf16)
+    uint32_t* codes = reinterpret_cast<uint32_t*>(w.p_codes);  // [quads][ld] u8 quads
+    for (int64_t q = 0; q < quads; ++q) {
+      vint word{};
+      for (int64_t t = 0; t < 4 && 4 * q + t < bc; ++t) word |= (__builtin_convertvector(code(4 * q + t), vint) & 0xFF) << (8 * t);
+      std::memcpy(codes + q * ld + r, &word, sizeof word);
+    }
+#else
+    for (int64_t j = 0; j < bc; ++j) {  // [bc][ld] codes as floats
+      const vfloat x = code(j);
+      vstore(w.p_codes + j * ld + r, x == x ? x : zero);
+    }
+#endif
+  }
+#if defined(ATTNKIT_ISA_avx512bf16)
+  gemm_u8s8_rescale<kTallRows, kTallVecs>(rb.rows, dv_pad, quads, reinterpret_cast<const uint32_t*>(w.p_codes), 1,
+                                          ld, v, dv_pad, w.o, dv_pad, w.alpha, w.p_scale);
+  for (int64_t r = 0; r < rb.rows; ++r) {  // + top P · its key's V codes
+    const int64_t j = w.p_top_key[r];
+    const uint32_t* quad = v + j / 4 * dv_pad;
+    const int shift = static_cast<int>(24 - 8 * (j % 4));
+    const vfloat top = vbroadcast(w.p_top[r]);
+    float* o = w.o + r * dv_pad;
+    for (int64_t d = 0; d < dv_pad; d += kLanes) {
+      vint x;
+      std::memcpy(&x, quad + d, sizeof x);
+      vstore(o + d, vload(o + d) + top * __builtin_convertvector((x << shift) >> 24, vfloat));
+    }
+  }
+#else
+  for (int64_t j = 0; j < bc; ++j) {  // byte j % 4 of each quad, sign-extended
+    const uint32_t* quad = v + j / 4 * dv_pad;
+    const int shift = static_cast<int>(24 - 8 * (j % 4));
+    for (int64_t d = 0; d < dv_pad; d += kLanes) {
+      vint x;
+      std::memcpy(&x, quad + d, sizeof x);
+      vstore(w.v + j * dv_pad + d, __builtin_convertvector((x << shift) >> 24, vfloat));
+    }
+  }
+  gemm<kTallRows, kTallVecs>(rb.rows, dv_pad, bc, w.p_codes, 1, ld, w.v, dv_pad, w.pv, dv_pad, false);
+  for (int64_t r = 0; r < rb.rows; ++r) {
+    const vfloat alpha = vbroadcast(w.alpha[r]), scale = vbroadcast(w.p_scale[r]), top = vbroadcast(w.p_top[r]);
+    const float* vtop = w.v + w.p_top_key[r] * dv_pad;
+    float* o = w.o + r * dv_pad;
+    for (int64_t d = 0; d < dv_pad; d += kLanes)
+      vstore(o + d, vload(o + d) * alpha + vload(w.pv + r * dv_pad + d) * scale + top * vload(vtop + d));
+  }
+#endif
+  fix_nonfinite_values(rb, j0, bc, w);
+}
+
+// The products of the V rows holding a NaN or inf (zero codes in pv_int8), in fp32 on the
+// unquantised P, in the units unquantize_pv expects: inf and NaN reach the output as they
+// do in exact attention (also where P is 0: 0 · inf is NaN there too).
+template <DType T, DType TK>
+void AttentionTask<T, TK>::fix_nonfinite_values(const RowBlock& rb, int64_t j0, int64_t bc,
+                                                const Workspace& w) const {
+  const int64_t ld = plan_.rows_pad, dv_pad = plan_.dv_pad, head = rb.b * p_.Hkv + rb.kvh;
+  if (!kq_->v_tile_nonfinite[head * kq_->tiles + j0 / kKvTile]) return;
+  const uint8_t* bad = kq_->v_nonfinite + head * p_.Skv + j0;
+  const float *scale = kq_->v_scale + head * dv_pad, *mean = kq_->v_mean + head * dv_pad;
+  const E* vbase = static_cast<const E*>(p_.v) + rb.b * p_.v_stride[0] + rb.kvh * p_.v_stride[1];
+  float* u = w.pv;  // one V row in code units (free here)
+  for (int64_t j = 0; j < bc; ++j) {
+    if (!bad[j]) continue;
+    load_row<T>(vbase + (j0 + j) * p_.v_stride[2], p_.v_stride[3], p_.Dv, 1.0f, u);
+    for (int64_t d = 0; d < p_.Dv; ++d) u[d] = (u[d] - mean[d]) / scale[d];
+    for (int64_t r = 0; r < rb.rows; ++r) {
+      const float pr = w.st[j * ld + r];
+      for (int64_t d = 0; d < p_.Dv; ++d) w.o[r * dv_pad + d] += pr * u[d];
+    }
+  }
+}
+
+// One row's P·V sums back from V's code units: o · v_scale + l · v_mean (Σ p (v - mean)
+// + Σ p · mean = Σ p v), into scratch (dv_pad floats).
+template <DType T, DType TK>
+const float* AttentionTask<T, TK>::unquantize_pv(const RowBlock& rb, const float* o, float l, float* scratch) const {
+  const int64_t dv_pad = plan_.dv_pad, head = rb.b * p_.Hkv + rb.kvh;
+  const float *scale = kq_->v_scale + head * dv_pad, *mean = kq_->v_mean + head * dv_pad;
+  const vfloat vl = vbroadcast(l);
+  for (int64_t d = 0; d < dv_pad; d += kLanes) vstore(scratch + d, vload(o + d) * vload(scale + d) + vl * vload(mean + d));
+  return scratch;
+}
+
+// Sage int8_pv_int8: one pass set over V per (batch, kv head) for the QuantizedKeys' V
+// fields: the per-channel mean over the finite rows of its first skv keys (in double),
+// then s8 codes of (v - mean) with one scale per channel (max |v - mean| / 127), as quads
+// of 4 consecutive keys; keys past skv and rows holding a NaN or inf get zero codes.
+template <DType T>
+void prepare_sage_values(const AttentionParams& p, uint32_t* v_codes, float* v_scale, float* v_mean,
+                         uint8_t* v_nonfinite, uint8_t* v_tile_nonfinite, int64_t tiles, int64_t dv_pad) {
+  using E = typename Elem<T>::type;
+  const int64_t vquads = (p.Skv + 3) / 4;
+  auto body = [&](int64_t head, int) {
+    const int64_t b = head / p.Hkv, kvh = head % p.Hkv, skv = p.kv_len ? p.kv_len[b] : p.Skv;
+    const E* v = static_cast<const E*>(p.v) + b * p.v_stride[0] + kvh * p.v_stride[1];
+    uint8_t* bad = v_nonfinite + head * p.Skv;
+    float *mean = v_mean + head * dv_pad, *step = v_scale + head * dv_pad;
+    AlignedBuffer<float> row(dv_pad);
+    AlignedBuffer<double> acc(dv_pad);
+    std::memset(acc.data, 0, sizeof(double) * dv_pad);
+    std::memset(bad, 0, p.Skv);
+    std::memset(v_tile_nonfinite + head * tiles, 0, tiles);
+    int64_t finite_rows = 0;
+    for (int64_t j = 0; j < skv; ++j) {
+      load_row<T>(v + j * p.v_stride[2], p.v_stride[3], p.Dv, 1.0f, row.data);
+      bool finite = true;
+      for (int64_t d = 0; d < p.Dv; ++d) finite = finite && std::isfinite(row.data[d]);
+      if (!finite) {
+        bad[j] = 1, v_tile_nonfinite[head * tiles + j / kKvTile] = 1;
+        continue;
+      }
+      ++finite_rows;
+      for (int64_t d = 0; d < p.Dv; ++d) acc.data[d] += row.data[d];
+    }
+    for (int64_t d = 0; d < dv_pad; ++d)
+      mean[d] = finite_rows && d < p.Dv ? static_cast<float>(acc.data[d] / finite_rows) : 0.0f;
+    std::memset(acc.data, 0, sizeof(double) * dv_pad);  // now max |v - mean| per channel
+    for (int64_t j = 0; j < skv; ++j) {
+      if (bad[j]) continue;
+      load_row<T>(v + j * p.v_stride[2], p.v_stride[3], p.Dv, 1.0f, row.data);
+      for (int64_t d = 0; d < p.Dv; ++d) acc.data[d] = std::fmax(acc.data[d], std::fabs(double{row.data[d]} - mean[d]));
+    }
+    for (int64_t d = 0; d < dv_pad; ++d) {  // at least the smallest subnormal, so the division stays finite
+      const float s = static_cast<float>(acc.data[d] / 127.0);
+      step[d] = acc.data[d] > 0.0 ? std::fmax(s, std::numeric_limits<float>::denorm_min()) : 1.0f;
+    }
+    uint32_t* codes = v_codes + head * vquads * dv_pad;
+    std::memset(codes, 0, sizeof(uint32_t) * vquads * dv_pad);
+    uint8_t* bytes = reinterpret_cast<uint8_t*>(codes);
+    for (int64_t j = 0; j < skv; ++j) {
+      if (bad[j]) continue;
+      load_row<T>(v + j * p.v_stride[2], p.v_stride[3], p.Dv, 1.0f, row.data);
+      for (int64_t d = 0; d < p.Dv; ++d) {
+        const double x = std::nearbyint((double{row.data[d]} - mean[d]) / step[d]);
+        bytes[(j / 4 * dv_pad + d) * 4 + j % 4] = static_cast<uint8_t>(static_cast<int8_t>(x > 127 ? 127 : (x < -127 ? -127 : x)));
+      }
+    }
+  };
+  detail::parallel_for(p.B * p.Hkv, detail::num_threads(), body);
+}
+
 // Sage int8: one pass over K per (batch, kv head): the mean over its finite rows, then
 // int8 codes of (k - mean) with one scale (max |k - mean| / 127) per kKvTile keys; and,
 // where P·V runs on bf16 pairs, one pass over V packing consecutive keys into pairs. The
@@ -163,7 +341,7 @@ void prepare_sage(const AttentionParams& p, uint8_t* codes, float* scale, float*
                   uint8_t* nonfinite, uint8_t* tile_nonfinite, int64_t quads, int64_t tiles, int64_t dv_pad) {
   using E = typename Elem<T>::type;
   auto body = [&](int64_t head, int) {
-    const int64_t b = head / p.Hkv, kvh = head % p.Hkv;
+    const int64_t b = head / p.Hkv, kvh = head % p.Hkv, skv = p.kv_len ? p.kv_len[b] : p.Skv;
     const E* k = static_cast<const E*>(p.k) + b * p.k_stride[0] + kvh * p.k_stride[1];
     float* mu = mean + head * p.D;
     uint8_t* bad = nonfinite + head * p.Skv;
@@ -171,7 +349,7 @@ void prepare_sage(const AttentionParams& p, uint8_t* codes, float* scale, float*
     AlignedBuffer<double> sum(p.D);
     std::memset(sum.data, 0, sizeof(double) * p.D);
     int64_t finite_rows = 0;
-    for (int64_t j = 0; j < p.Skv; ++j) {
+    for (int64_t j = 0; j < skv; ++j) {
       load_row<T>(k + j * p.k_stride[2], p.k_stride[3], p.D, 1.0f, tile.data);
       bool finite = true;
       for (int64_t d = 0; d < p.D; ++d) finite = finite && std::isfinite(tile.data[d]);
@@ -183,7 +361,7 @@ void prepare_sage(const AttentionParams& p, uint8_t* codes, float* scale, float*
     for (int64_t d = 0; d < p.D; ++d)
       mu[d] = finite_rows ? static_cast<float>(sum.data[d] / finite_rows) : 0.0f;
     for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t j0 = t * kKvTile, n = p.Skv - j0 < kKvTile ? p.Skv - j0 : kKvTile;
+      const int64_t j0 = t * kKvTile, n = skv - j0 < kKvTile ? (skv > j0 ? skv - j0 : 0) : kKvTile;
       double amax = 0.0;
       tile_nonfinite[head * tiles + t] = 0;
       for (int64_t j = 0; j < n; ++j) {
@@ -211,7 +389,7 @@ void prepare_sage(const AttentionParams& p, uint8_t* codes, float* scale, float*
     }
 #if defined(ATTNKIT_ISA_avx512bf16)
     const E* v = static_cast<const E*>(p.v) + b * p.v_stride[0] + kvh * p.v_stride[1];
-    const int64_t pairs = (p.Skv + 1) / 2;
+    const int64_t pairs = v_pairs ? (p.Skv + 1) / 2 : 0;  // none for mode int8_pv_int8
     for (int64_t jp = 0; jp < pairs; ++jp) {  // rows 2jp and 2jp + 1 of V, zero-padded, as fp32 into tile
       const int64_t n = 2 * jp + 1 < p.Skv ? 2 : 1;
       std::memset(tile.data, 0, sizeof(float) * 2 * dv_pad);

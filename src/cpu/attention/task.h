@@ -169,6 +169,7 @@ class AttentionTask {
         unsplit_bf16_row(o, p_.Dv, scratch);
         o = scratch;
       }
+      if (plan_.pv_int8) o = unquantize_pv(rb, o, l, scratch);
       store_row<T>(o, inv, p_.Dv, dst, p_.out_stride[3]);
       if (p_.lse) {
         p_.lse[rb.b * p_.lse_stride[0] + h * p_.lse_stride[1] + row * p_.lse_stride[2]] =
@@ -218,6 +219,9 @@ class AttentionTask {
   void qk_int8(const RowBlock& rb, int64_t j0, int64_t bc, const Workspace& w) const;
   void fix_nonfinite_logits(const RowBlock& rb, int64_t j0, int64_t bc, const Workspace& w) const;
   float lse_shift(const RowBlock& rb, int64_t h, int64_t i) const;
+  void pv_int8(const RowBlock& rb, int64_t j0, int64_t bc, const Workspace& w) const;
+  void fix_nonfinite_values(const RowBlock& rb, int64_t j0, int64_t bc, const Workspace& w) const;
+  const float* unquantize_pv(const RowBlock& rb, const float* o, float l, float* scratch) const;
 
   const AttentionParams& p_;
   const Plan& plan_;

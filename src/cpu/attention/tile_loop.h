@@ -53,6 +53,10 @@ void AttentionTask<T, TK>::attend(const RowBlock& rb, int64_t begin, int64_t end
     apply_score_mods(rb, j0, bc, scores, w);
     apply_masks(rb, j0, bc, scores);
     online_softmax_tile(w.st, bc, ld, ld, w.m, w.l, w.alpha);
+    if (plan_.pv_int8) {  // u8 P · s8 V, the rescale by alpha folded in (sage_int8.h)
+      pv_int8(rb, j0, bc, w);
+      continue;
+    }
     rescale_output(rb, w);
     if (p_.dropout_p > 0.0f) apply_dropout(rb, j0, bc, scores);
     if (rb.mode->pv_bf16) {

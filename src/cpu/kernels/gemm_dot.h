@@ -93,6 +93,56 @@ void gemm_u8s8(int64_t m, int64_t n, int64_t k_quads, const uint32_t* a, int64_t
   });
 }
 
+// The u8 × s8 tile of sage's int8 P·V: the int32 sums of one key tile, then in registers
+// c[i][·] = c[i][·] · alpha[i] + sums · scale[i] (the online softmax's rescale and the
+// tile's dequantisation in one pass over C). a(i, p) = a[i * lda + p * a_step].
+template <int MR, int NV>
+void gemm_u8s8_rescale_tile(int64_t k, const uint32_t* a, int64_t lda, int64_t a_step, const uint32_t* b,
+                            int64_t ldb, float* c, int64_t ldc, const float* alpha, const float* scale) {
+  __m512i acc[MR][NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) acc[i][j] = __m512i{};
+  }
+  for (int64_t p = 0; p < k; ++p) {
+    __m512i bv[NV];
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) bv[j] = _mm512_loadu_si512(b + p * ldb + j * 16);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512i ai = _mm512_set1_epi32(static_cast<int>(a[i * lda + p * a_step]));
+#pragma GCC unroll 8
+      for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], ai, bv[j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+    const vfloat al = vbroadcast(alpha[i]), sc = vbroadcast(scale[i]);
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) {  // (GCC 12 warns on _mm512_cvtepi32_ps: vector conversions instead)
+      float* ci = c + i * ldc + j * 16;
+      vstore(ci, vload(ci) * al + __builtin_convertvector((vint)acc[i][j], vfloat) * sc);
+    }
+  }
+}
+
+struct GemmU8S8RescaleKernel {
+  template <int MR, int NV>
+  static constexpr auto tile = &gemm_u8s8_rescale_tile<MR, NV>;
+};
+
+// c[m][n] = c · alpha (per row) + (A · B) · scale (per row) over k_quads int8 quads (A of
+// u8, B of s8); n a multiple of 16.
+template <int MR, int NV>
+void gemm_u8s8_rescale(int64_t m, int64_t n, int64_t k_quads, const uint32_t* a, int64_t lda, int64_t a_step,
+                       const uint32_t* b, int64_t ldb, float* c, int64_t ldc, const float* alpha,
+                       const float* scale) {
+  for_each_tile<GemmU8S8RescaleKernel, MR, NV>(m, n, 16, [&](auto tile, int64_t m0, int64_t n0) {
+    tile(k_quads, a + m0 * lda, lda, a_step, b + n0, ldb, c + m0 * ldc + n0, ldc, alpha + m0, scale + m0);
+  });
+}
+
 }  // namespace attnkit::cpu::ATTNKIT_ISA
 
 #endif  // ATTNKIT_ISA_avx512bf16
