@@ -221,10 +221,19 @@ class SparseMlaTask {
   // q_scale · kv_scale so that Sᵀ holds the logits; padding heads are zero.
   // `row` is scratch for one dequantised row (vector conversion, then a transposed copy).
   // On the bf16-dot path Qᵀ holds unscaled bf16 pairs (exact) instead.
+  // Contiguous bf16 q of even d_qk is already in pairs: copied as 32-bit words.
   void pack_qt(int64_t s, int64_t h0, int64_t nh, float* qt, float* row) const {
     const int64_t ld = plan_.rows_pad;
-    std::memset(qt, 0, sizeof(float) * p_.d_qk * ld);
+    std::memset(qt, 0, sizeof(float) * (kBf16Dot ? plan_.d_pairs : p_.d_qk) * ld);
     const E* base = static_cast<const E*>(rows_.q_row(s));
+    if (kBf16Dot && TQ == DType::bfloat16 && p_.q_stride[2] == 1 && p_.d_qk % 2 == 0) {
+      uint32_t* qtp = reinterpret_cast<uint32_t*>(qt);
+      for (int64_t r = 0; r < nh; ++r) {
+        const E* q = base + (h0 + r) * p_.q_stride[1];
+        for (int64_t i = 0; i < plan_.d_pairs; ++i) std::memcpy(qtp + i * ld + r, q + 2 * i, sizeof(uint32_t));
+      }
+      return;
+    }
     for (int64_t r = 0; r < nh; ++r) {
       load_row<TQ>(base + (h0 + r) * p_.q_stride[1], p_.q_stride[2], p_.d_qk, kBf16Dot ? 1.0f : p_.logit_scale, row);
       if constexpr (kBf16Dot) {
