@@ -221,16 +221,17 @@ class SparseMlaTask {
   // q_scale · kv_scale so that Sᵀ holds the logits; padding heads are zero.
   // `row` is scratch for one dequantised row (vector conversion, then a transposed copy).
   // On the bf16-dot path Qᵀ holds unscaled bf16 pairs (exact) instead.
-  // Contiguous bf16 q of even d_qk is already in pairs: copied as 32-bit words.
+  // Contiguous bf16 q of even d_qk is already in pairs: copied as 32-bit words, Qᵀ written in
+  // address order (a head-by-head scatter of its 147 KB measured 15% of a batch-1 decode).
   void pack_qt(int64_t s, int64_t h0, int64_t nh, float* qt, float* row) const {
     const int64_t ld = plan_.rows_pad;
     std::memset(qt, 0, sizeof(float) * (kBf16Dot ? plan_.d_pairs : p_.d_qk) * ld);
     const E* base = static_cast<const E*>(rows_.q_row(s));
     if (kBf16Dot && TQ == DType::bfloat16 && p_.q_stride[2] == 1 && p_.d_qk % 2 == 0) {
       uint32_t* qtp = reinterpret_cast<uint32_t*>(qt);
-      for (int64_t r = 0; r < nh; ++r) {
-        const E* q = base + (h0 + r) * p_.q_stride[1];
-        for (int64_t i = 0; i < plan_.d_pairs; ++i) std::memcpy(qtp + i * ld + r, q + 2 * i, sizeof(uint32_t));
+      const E* q = base + h0 * p_.q_stride[1];
+      for (int64_t i = 0; i < plan_.d_pairs; ++i) {
+        for (int64_t r = 0; r < nh; ++r) std::memcpy(qtp + i * ld + r, q + r * p_.q_stride[1] + 2 * i, sizeof(uint32_t));
       }
       return;
     }
