@@ -41,6 +41,11 @@ struct FlatRows {
     return n;
   }
 
+  uint32_t touch(int32_t slot) const {
+    const E* src = static_cast<const E*>(p.kv) + int64_t{slot} * p.kv_stride[0];
+    return sparse_tile::touch_lines(src, int64_t{sizeof(E)} * ((p.d_qk - 1) * p.kv_stride[1] + 1));
+  }
+
   void load(int32_t slot, float* dst, uint16_t* pairs) const {
     const E* src = static_cast<const E*>(p.kv) + int64_t{slot} * p.kv_stride[0];
     load_row<T>(src, p.kv_stride[1], p.d_qk, 1.0f, dst);

@@ -164,6 +164,40 @@ def test_sparse_torch_matches_numpy_and_threads():
     assert (out1.view(np.int16) == out.view(np.int16)).all() and np.array_equal(lse1, lse)
 
 
+@pytest.mark.parametrize("b,s_q,topk,tl", [(1, 1, 2048, False), (1, 2, 1536, True), (3, 1, 1100, True)])
+def test_split_kv_exact_and_thread_independent(b, s_q, topk, tl):
+    """Few query rows split their listed rows (split-KV, fixed ranges of 512+ rows) and merge
+    the partials through their lse: within the reference tolerance, and bit-identical for
+    any thread count (the cut depends on the shape only). topk_length leaves some splits
+    empty."""
+    rng = np.random.default_rng(hash((b, s_q, topk, tl)) % 2**32)
+    c = SparseCase(rng, b, s_q, 16, 2 * topk, topk, 64, sink=True, tl=tl)
+    n = attnkit.get_num_threads()
+    runs = []
+    try:
+        for threads in (1, 2, 3):
+            attnkit.set_num_threads(threads)
+            runs.append(c.run())
+    finally:
+        attnkit.set_num_threads(n)
+    ref, vmax, mag = c.reference()
+    check(*runs[0], ref, vmax, mag)
+    for out, lse in runs[1:]:
+        assert (out.view(np.int16) == runs[0][0].view(np.int16)).all() and np.array_equal(lse, runs[0][1])
+
+
+def test_split_kv_nan_reaches_row():
+    """Split-KV: a NaN in one head's q reaches that head's merged out and lse, no other head's."""
+    rng = np.random.default_rng(12)
+    c = SparseCase(rng, 1, 1, 16, 4096, 2048, 64, tl=False)
+    q = c.q.copy()
+    q[0, 0, 3, 7] = np.nan
+    out, lse = dsa.flash_mla_with_kvcache(q, c.cache, None, None, 512, is_fp8_kvcache=True, indices=c.indices)
+    assert np.isnan(f64(out)[0, 0, 3]).all() and np.isnan(lse[0, 3, 0])
+    others = np.arange(16) != 3
+    assert np.isfinite(f64(out)[0, 0, others]).all() and np.isfinite(lse[0, others]).all()
+
+
 def test_sparse_strided_q_and_indices():
     rng = np.random.default_rng(3)
     c = SparseCase(rng, 2, 3, 16, 400, 128, 64)
@@ -281,6 +315,7 @@ class DenseCase:
     (2, 2, 128, 2, 129, 576, 512),
     (5, 1, 8, 1, 70, 576, 512),
     (2, 3, 5, 69, 150, 72, 40),      # any d_qk >= d_v on the bf16 cache
+    (1, 2, 16, 64, 1500, 576, 512),  # long rows at batch 1: split-KV
 ])
 @pytest.mark.parametrize("causal", [False, True])
 def test_dense_bf16_decode(b, s_q, h_q, page, max_len, d_qk, d_v, causal):
