@@ -611,6 +611,35 @@ ISA_TEST(Convert, VectorLoadsMatchScalarConversions) {
   check_vector_loads<DType::float16, uint16_t>(65536, &float16_to_float);
 }
 
+// fp8 -> bf16 (decode's K over an fp8 cache) is exact: for every code, in vector and tail
+// positions, the bf16 bits widen to the scalar float32 conversion bit for bit (NaN for NaN).
+template <DType T>
+void check_fp8_to_bf16(float (*scalar)(uint8_t)) {
+  const Fp8ToBf16<T> convert;
+  for (int64_t n : {256, 256 + 31, 7}) {
+    std::vector<uint8_t> src(n);
+    for (int64_t i = 0; i < n; ++i) src[i] = static_cast<uint8_t>((i * 37 + n) % 256);
+    std::vector<uint16_t> dst(n + 1, 0xABCD);
+    convert.row(src.data(), n, dst.data());
+    EXPECT_EQ(dst[n], 0xABCD) << "wrote past n = " << n;
+    for (int64_t i = 0; i < n; ++i) {
+      const float want = scalar(src[i]), got = bfloat16_to_float(dst[i]);
+      if (std::isnan(want)) {
+        ASSERT_TRUE(std::isnan(got)) << "code " << int{src[i]};
+      } else {
+        ASSERT_EQ(bits_of(got), bits_of(want)) << "code " << int{src[i]} << " at " << i << " of " << n;
+      }
+      ASSERT_EQ(fp8_to_bf16_bits<T>(src[i]), dst[i]) << "code " << int{src[i]};
+    }
+  }
+}
+
+ISA_TEST(Convert, Fp8ToBf16IsExact) {
+  SKIP_UNLESS_RUNNABLE();
+  check_fp8_to_bf16<DType::float8_e4m3fn>(&float8_e4m3fn_to_float);
+  check_fp8_to_bf16<DType::float8_e5m2>(&float8_e5m2_to_float);
+}
+
 // Float32 values the narrowing stores must round exactly as attnkit/dtype.h does: NaNs, infinities,
 // overflow after rounding, subnormals, ties to even either way for bf16 and fp16, and
 // values just off the ties.

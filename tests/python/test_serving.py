@@ -166,6 +166,52 @@ def test_paged_fp8_cache(rng, cache_dtype, q_dtype, per_head, isa):
     check(out, lse, ref, q_dtype)
 
 
+# Decode over fp8 caches with bf16 queries: on avx512bf16 the K rows are converted exactly
+# to bf16 pairs for vdpbf16ps (other variants widen to fp32); against the reference on the
+# dequantised cache. Block sizes 1, 5, 7 and powers of two, odd Hkv, GQA ratios 1..8, head
+# dims whole vectors of 32 elements, with a tail, odd, tail only.
+FP8_DECODE_CASES = [
+    # seq_lens, block_size, Hq, Hkv, D
+    ([300, 17, 129], 16, 8, 8, 128),   # GQA 1
+    ([70, 1, 45], 1, 6, 3, 40),        # block size 1, odd Hkv, GQA 2
+    ([200, 33], 7, 15, 3, 33),         # GQA 5, odd D
+    ([64, 3, 100], 5, 9, 3, 7),        # GQA 3, D below one vector
+    ([150, 129], 64, 8, 2, 96),        # GQA 4
+    ([90, 40], 16, 6, 1, 64),          # GQA 6
+    ([2100, 5], 128, 8, 1, 64),        # GQA 8, a long decode (kv splits)
+    ([33, 61], 3, 14, 2, 16),          # GQA 7
+]
+
+
+@pytest.mark.parametrize("cache_dtype", list(FP8))
+@pytest.mark.parametrize("case", range(len(FP8_DECODE_CASES)))
+def test_paged_fp8_decode_bf16_queries(rng, cache_dtype, case, isa):
+    seq_lens, bs, hq, hkv, d = FP8_DECODE_CASES[case]
+    q_lens = [1] * len(seq_lens)
+    kc, vc, table = random_paged_batch(rng, q_lens, seq_lens, bs, hkv, d, d, cache_dtype)
+    k_scale = (rng.uniform(0.1, 0.6, hkv) if case % 2 else rng.uniform(0.1, 0.6, 1)).astype(np.float32)
+    cu_q, lens = cu(q_lens), np.array(seq_lens, dtype=np.int32)
+    q = randn(rng, (cu_q[-1], hq, d), "bfloat16")
+    out = poison((cu_q[-1], hq, d), "bfloat16")
+    _, lse = attnkit.paged_attention(q, kc, vc, table, lens, cu_q, k_scale=k_scale, v_scale=0.5,
+                                     return_lse=True, out=out)
+    check(out, lse, paged_ref(q, kc, vc, table, lens, cu_q, True, None, k_scale, 0.5), "bfloat16")
+
+
+@pytest.mark.parametrize("cache_dtype", list(FP8))
+def test_paged_fp8_decode_strided_cache(rng, cache_dtype, isa):
+    """A cache whose head dim is strided (every other element): the conversion's scalar path."""
+    seq_lens, bs, hq, hkv, d = [100, 37], 16, 8, 2, 48
+    kc, vc, table = random_paged_batch(rng, [1, 1], seq_lens, bs, hkv, d, d, cache_dtype)
+    wide = np.full(kc.shape[:3] + (2 * d,), np.nan, dtype=kc.dtype)
+    wide[..., ::2] = kc
+    cu_q, lens = cu([1, 1]), np.array(seq_lens, dtype=np.int32)
+    q = randn(rng, (2, hq, d), "bfloat16")
+    got = attnkit.paged_attention(q, wide[..., ::2], vc, table, lens, cu_q, k_scale=0.3)
+    np.testing.assert_array_equal(got, attnkit.paged_attention(q, kc, vc, table, lens, cu_q, k_scale=0.3))
+    check(got, None, paged_ref(q, kc, vc, table, lens, cu_q, True, None, 0.3), "bfloat16", lse_too=False)
+
+
 def test_paged_float_scale_and_torch(rng):
     torch = pytest.importorskip("torch")
     kc, vc, table = random_paged_batch(rng, [3, 1], [20, 70], 16, 2, 32, 32, "float8_e4m3fn")

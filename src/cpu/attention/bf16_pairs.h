@@ -119,7 +119,12 @@ void AttentionTask<T, TK>::qk_rows_bf16(const RowBlock& rb, const KvRows<EK>& kr
     keys = reinterpret_cast<const uint32_t*>(krows.row(j0)), ldk = krows.stride / 2;
   } else {  // whole chunks of kLanes zero-padded rows
     const int64_t ld = rb.mode->chunked_row;
-    uint32_t* kp = pack_key_pairs(krows, j0, n, ld, w);
+    uint32_t* kp;
+    if constexpr (sizeof(EK) == 1) {  // an fp8 cache
+      kp = pack_fp8_key_pairs(krows, j0, n, ld, w);
+    } else {
+      kp = pack_key_pairs(krows, j0, n, ld, w);
+    }
     std::memset(kp + n * ld, 0, sizeof(uint32_t) * (kLanes - n) * ld);
     keys = kp, ldk = ld;
   }
@@ -151,6 +156,32 @@ uint32_t* AttentionTask<T, TK>::pack_key_pairs(const KvRows<EK>& krows, int64_t 
     const uint16_t* k16 = reinterpret_cast<const uint16_t*>(k);  // EK is bf16 on this path
     for (int64_t j = first; j < first + count; ++j) {
       pack_pairs(k16 + (j - first) * krows.stride, p_.k_stride[3], kp + j * ld);
+      std::memset(kp + j * ld + pairs, 0, sizeof(uint32_t) * (ld - pairs));
+    }
+  });
+  return kp;
+}
+
+// Decode over an fp8 cache: K rows j0 .. j0+n-1 converted exactly to bf16 pairs into w.k,
+// rows of ld pairs (zero past the row's own pairs; odd D ends with a zero).
+template <DType T, DType TK>
+uint32_t* AttentionTask<T, TK>::pack_fp8_key_pairs(const KvRows<EK>& krows, int64_t j0, int64_t n, int64_t ld,
+                                                   const Workspace& w) const {
+  uint32_t* kp = reinterpret_cast<uint32_t*>(w.k);
+  const int64_t pairs = (p_.D + 1) / 2, col_stride = p_.k_stride[3];
+  const Fp8ToBf16<TK> convert;
+  krows.for_each_run(j0, n, [&](const EK* k, int64_t first, int64_t count) {
+    for (int64_t j = first; j < first + count; ++j, k += krows.stride) {
+      // as pack_rows does: the row this far ahead in the run (without it, the K loads
+      // stalled and shape P128 took 1.3x the fp32 path's time)
+      prefetch_bytes(k, kPrefetchRows * krows.stride, p_.D);
+      uint16_t* row = reinterpret_cast<uint16_t*>(kp + j * ld);
+      if (col_stride == 1) {
+        convert.row(k, p_.D, row);
+      } else {
+        for (int64_t d = 0; d < p_.D; ++d) row[d] = fp8_to_bf16_bits<TK>(k[d * col_stride]);
+      }
+      if (p_.D % 2) row[p_.D] = 0;
       std::memset(kp + j * ld + pairs, 0, sizeof(uint32_t) * (ld - pairs));
     }
   });

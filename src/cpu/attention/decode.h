@@ -53,7 +53,7 @@ void AttentionTask<T, TK>::attend_rows(const RowBlock& rb, int64_t begin, int64_
                                        const Workspace& w) const {
   const int64_t ld = kDecodeKeys;
   const Scores scores{w.st, 1, ld};
-  if (plan_.bf16_dot) {
+  if (rb.mode->qk_pairs) {
     pack_q_row_pairs(rb, w);
   } else {
     pack_q_rows(rb, w);
@@ -108,7 +108,7 @@ template <DType T, DType TK>
 void AttentionTask<T, TK>::qk_key_block(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t n,
                                         float* s, int64_t lds, const Workspace& w) const {
   const bool in_place = rb.mode->k_in_place && n == kLanes && krows.run_end(j0, j0 + n) == j0 + n;
-  if (plan_.bf16_dot) {
+  if (rb.mode->qk_pairs) {
     qk_rows_bf16(rb, krows, j0, n, in_place, s, lds, w);
   } else if (in_place) {
     dot_key_block(rb.mode->rows_per_vec, rb.rows, rb.mode->chunks,

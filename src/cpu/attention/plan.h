@@ -74,6 +74,7 @@ struct Sequence {
 // scores (attend_rows); and which operands it reads in place.
 struct Mode {
   bool key_blocks;
+  bool qk_pairs;        // key blocks: Q·Kᵀ on bf16 pairs (vdpbf16ps): bf16 K, or an fp8 cache converted
   int rows_per_vec;     // key blocks: query rows side by side in one vector (dot.h)
   int64_t chunks;       // key blocks: a Q/K row in chunks of kLanes / rows_per_vec elements (bf16: pairs)
   int64_t chunked_row;  // key blocks: chunks × that, the length of a packed K row
@@ -89,6 +90,8 @@ struct Plan {
   std::vector<Sequence> seqs;  // heavy first
   int64_t rows_pad, d_pad, dv_pad, workspace_floats, partial_floats;
   bool bf16_dot;             // bf16 inputs on avx512bf16: K·Qᵀ with vdpbf16ps
+  bool fp8_pairs;            // bf16 queries over an fp8 cache on avx512bf16: decode's K rows
+                             // converted exactly to bf16 pairs for vdpbf16ps
   bool int8;                 // sage int8 mode: K·Qᵀ on int8 codes
   bool pv_int8;              // sage int8_pv_int8 mode: P·V on u8 P and s8 V codes too
   bool v_in_place;           // fp32 V rows with unit stride need no packing
@@ -109,8 +112,11 @@ struct Plan {
     rows_pad = round_up(rows, kLanes);
     d_pad = round_up(p.D, kLanes);
     dv_pad = round_up(p.Dv, kLanes);
-    // fp8 caches (paged) are widened to fp32 as they are packed: the fp32 paths below.
+    // fp8 caches (paged) are widened to fp32 as they are packed (the fp32 paths below),
+    // except decode's K rows under bf16 queries (fp8_pairs).
     bf16_dot = kDotProducts && !int8 && p.dtype == DType::bfloat16 && p.kv_dtype == DType::bfloat16;
+    fp8_pairs = kDotProducts && !int8 && p.dtype == DType::bfloat16 &&
+                (p.kv_dtype == DType::float8_e4m3fn || p.kv_dtype == DType::float8_e5m2);
     v_in_place = p.kv_dtype == DType::float32 && p.v_stride[3] == 1 && p.Dv == dv_pad;
     tile = make_mode(p, rows, false);
     for (int64_t r = 1; r <= kLanes / 2; ++r) few[r] = make_mode(p, r, !int8 && r <= kMaxDotRows);
@@ -196,11 +202,12 @@ struct Plan {
   Mode make_mode(const AttentionParams& p, int64_t rows, bool key_blocks) const {
     Mode m;
     m.key_blocks = key_blocks;
+    m.qk_pairs = key_blocks && (bf16_dot || fp8_pairs);
     // bf16 inputs round P to bf16 for P·V, as FlashAttention and torch do: the products
     // and sums stay fp32, and vdpbf16ps runs it at nearly twice the fp32 FMA rate. Decode
     // is bound by its reads, so it keeps P in fp32.
     m.pv_bf16 = kDotProducts && ((int8 && !pv_int8) || (bf16_dot && !key_blocks));
-    const int64_t elems = bf16_dot ? (p.D + 1) / 2 : p.D;  // per Q/K row: fp32, or bf16 pairs
+    const int64_t elems = bf16_dot || m.qk_pairs ? (p.D + 1) / 2 : p.D;  // per Q/K row: fp32, or bf16 pairs
     m.rows_per_vec = rows_per_vector(rows, elems);
     const int64_t segment = kLanes / m.rows_per_vec;
     m.chunks = (elems + segment - 1) / segment;

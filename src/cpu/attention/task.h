@@ -206,6 +206,8 @@ class AttentionTask {
   void pack_pairs(const uint16_t* src, int64_t stride, uint32_t* dst) const;
   uint32_t* pack_key_pairs(const KvRows<EK>& krows, int64_t j0, int64_t n, int64_t ld,
                            const Workspace& w) const;
+  uint32_t* pack_fp8_key_pairs(const KvRows<EK>& krows, int64_t j0, int64_t n, int64_t ld,
+                               const Workspace& w) const;
 #endif
 
   // Masks, score modifiers and dropout on a tile of scores (scores.h).
