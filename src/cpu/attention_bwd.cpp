@@ -412,6 +412,7 @@ class Backward {
       const float lse = ph.lse[i];
       if (lse == -INFINITY) {
         std::memset(s, 0, sizeof(float) * kKeyBlock);
+        if (softcap != 0.0f) std::memset(w.t + r * kKeyBlock, 0, sizeof(float) * kKeyBlock);
         continue;
       }
       // Keys j0 + [lo, hi) pass the causal limit and the window.
