@@ -487,7 +487,8 @@ def test_torch_compile_training_step(rng):
 # ---------------------------------------------------------------------------------------
 
 def grad_ref_mods(q, k, v, dout, attn_mask=None, causal=False, scale=None, enable_gqa=False,
-                  window=None, softcap=None, alibi_slopes=None, sinks=None, dlse=None):
+                  window=None, softcap=None, alibi_slopes=None, sinks=None, dlse=None, keep=None,
+                  dropout_p=0.0, seed=None):
     """(dq, dk, dv[, dsinks]) float64 by torch autograd in float64 of out·dout (+ lse·dlse)."""
     t = [torch.from_numpy(to_f64(x)).requires_grad_() for x in (q, k, v)]
     qq, kk, vv = t
@@ -530,6 +531,8 @@ def grad_ref_mods(q, k, v, dout, attn_mask=None, causal=False, scale=None, enabl
         sk = torch.from_numpy(to_f64(sinks)).requires_grad_()
         denom = denom + torch.where(live, torch.exp(sk[None, :, None, None] - mx0), torch.zeros_like(mx0))
     p = e / torch.where(denom > 0, denom, torch.ones_like(denom))
+    if keep is not None:
+        p = p * torch.from_numpy(keep) / (1.0 - dropout_p)
     out = p @ vv
     loss = (out * torch.from_numpy(to_f64(dout))).sum()
     if dlse is not None:
@@ -687,3 +690,19 @@ def test_opcheck_modifiers(rng):
     bargs = (q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), torch.randn(out.shape),
              torch.randn(lse.shape), None, 2, None, 0.0, None, True, "BHSD", 3, 2, 5.0, slopes, sinks.detach())
     torch.library.opcheck(torch.ops.attnkit.attention_backward.default, bargs)
+
+
+def test_modifiers_with_dropout(rng):
+    """Dropout regenerated under the soft-cap, a window and sinks (the keep mask read back
+    from the forward with v = identity)."""
+    B, Hq, Hkv, Sq, Skv = 2, 4, 2, 40, 210
+    q, k, v = randn(rng, (B, Hq, Sq, 16)), randn(rng, (B, Hkv, Skv, 16)), randn(rng, (B, Hkv, Skv, 8))
+    kw = dict(causal="bottom_right", enable_gqa=True, window=(120, -1), softcap=3.0,
+              sinks=np.array([0.5, -1.0, 2.0, 0.0], np.float32), dropout_p=0.3, seed=77)
+    eye = np.broadcast_to(np.eye(Skv, dtype=np.float32), (B, Hkv, Skv, Skv)).copy()
+    keep = attnkit.attention(q, k, eye, **kw) != 0
+    out, lse = forward(q, k, v, **kw)
+    dout = randn(rng, out.shape)
+    got = attnkit.attention_backward(q, k, v, out, lse, dout, **kw)
+    ref = grad_ref_mods(q, k, v, dout, keep=keep, **kw)
+    check_mod_grads(got, ref, "float32")
