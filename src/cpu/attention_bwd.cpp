@@ -98,8 +98,8 @@ struct BackwardPlan {
     rows16 = round_up(p.Sq, 16);
     row_pairs = (p.Sq + 1) / 2;
     const int64_t blk = kKeyBlock * (d_pad + dv_pad);
-    workspace_floats = 2 * blk              // K, V rows
-                       + 2 * blk            // Kᵀ, Vᵀ
+    workspace_floats = blk                  // K, V rows
+                       + blk                // Kᵀ, Vᵀ
                        + blk                // dK, dV accumulators
                        + blk                // bf16 pairs: Kᵀ, Vᵀ along D (Dv); K rows in key pairs
                        + 6 * kRowBlock * kKeyBlock  // E, dP then dS, dropped P, tanh, row pairs of P and dS
