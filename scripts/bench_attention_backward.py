@@ -1,7 +1,7 @@
 """Indicative timing of attnkit.attention_backward at BENCH.md's shape A (B=1, Hq=32, Hkv=8,
 S=2048, D=Dv=128, causal): the forward, the backward, and torch's CPU SDPA backward, medians.
-Usage: python scripts/bench_attention_backward.py fp32,bf16 [noncausal]. Not yet a row of
-python -m attnkit.bench (no verification step, no report): a stop-gap until it is."""
+Usage: python scripts/bench_attention_backward.py fp32,bf16 [noncausal]. A quick look without
+verification: the verified, interleaved row is python -m attnkit.bench --op backward."""
 
 import sys
 import time

@@ -27,6 +27,11 @@ struct AttentionBackwardArgs {
   std::optional<uint64_t> seed;    // required when dropout_p > 0: the forward's seed
   bool enable_gqa = false;
   Layout layout = Layout::BHSD;
+  // The forward's score modifiers (see AttentionArgs); ALiBi slopes get no gradient.
+  int64_t window_left = -1, window_right = -1;
+  std::optional<double> softcap;
+  std::optional<TensorView> alibi_slopes, sinks;
+  std::optional<TensorView> dsinks;  // caller-owned float32 [Hq], the sinks' gradient: required with sinks
 };
 
 // Writes every element of dq, dk and dv; throws attnkit::Error on invalid arguments. The

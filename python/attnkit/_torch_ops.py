@@ -186,9 +186,10 @@ for _name in ("attention_out", "sage_attention", "sparse_mla_prefill_fwd", "spar
 def attention(q, k, v, attn_mask, causal, scale, dropout_p, seed, enable_gqa, layout, return_lse,
               out, window=(-1, -1), softcap=None, alibi_slopes=None, sinks=None):
     """The torch path of attnkit.attention (arguments already checked for kind and value)."""
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                              or (sinks is not None and sinks.requires_grad))
     if needs_grad and out is not None:  # attention_out writes a caller's buffer: no autograd
-        check_no_grad("attnkit.attention with out=", (("q", q), ("k", k), ("v", v)))
+        check_no_grad("attnkit.attention with out=", (("q", q), ("k", k), ("v", v), ("sinks", sinks)))
     if eager((q, k, v, attn_mask, out, alibi_slopes, sinks)) and not needs_grad:
         check_no_grad("attnkit.attention", (("attn_mask", attn_mask), ("out", out), ("alibi_slopes", alibi_slopes),
                                             ("sinks", sinks)))

@@ -196,9 +196,10 @@ def attention(q, k, v, *, attn_mask=None, causal=False, scale=None, dropout_p=0.
       call the kernel directly, the same computation without the dispatcher's cost.
     - scale and dropout_p: a Python or numpy number, or a 0-d tensor / array. Flags
       (enable_gqa, return_lse, causal) are bools: anything else is a ValueError.
-    - Autograd: torch inputs q, k, v that require grad get gradients from attnkit's backward
-      (attnkit.attention_backward; dropout then needs a seed). The score modifiers, out= and a
-      mask that requires grad have no backward yet: a ValueError with grad mode on.
+    - Autograd: torch inputs q, k, v (and sinks) that require grad get gradients from
+      attnkit's backward (attnkit.attention_backward; dropout then needs a seed), score
+      modifiers included. out=, a mask or ALiBi slopes that require grad have no backward:
+      a ValueError with grad mode on.
 
     Returns out, or (out, lse) with return_lse=True.
     """

@@ -12,10 +12,13 @@ key/value heads; a key/value head count of 1 broadcasts), attn_mask bool (True =
 additive float, is_causal top-left (combined with attn_mask when both are given, as torch
 2.13's CPU flash kernel does; its math kernel refuses the pair), scale defaulting to 1/sqrt(E) and given as a float, numpy scalar or 0-d tensor.
 
-What attnkit cannot compute goes to torch's own kernel, with a warning once per reason:
-float64 (and other dtypes than float32/float16/bfloat16), tensors off the CPU, inputs that
-require grad in grad mode (attnkit has no backward yet), head dims over 512, mask dtypes
-attnkit does not take and nested tensors. Calls torch refuses go to torch's kernel quietly,
+Inputs that require grad in grad mode get attnkit's backward (torch autograd through
+attnkit.attention; a dropout call draws its seed from torch's generator, so the backward
+regenerates the same keep mask). What attnkit cannot compute goes to torch's own kernel, with
+a warning once per reason: float64 (and other dtypes than float32/float16/bfloat16), tensors
+off the CPU, a mask that requires grad (attnkit computes no mask gradient), dropout with
+grad under torch.compile (no seed to draw there), head dims over 512, mask dtypes attnkit
+does not take and nested tensors. Calls torch refuses go to torch's kernel quietly,
 so that they raise its own error.
 Inputs with no elements (D = 0, L = 0, S = 0, a zero batch) also go to torch's kernel,
 silently: their results are trivial and torch defines them. Differences that remain: dropout
@@ -62,8 +65,8 @@ def _fallback_reason(query, key, value, attn_mask):
         return f"dtype {str(query.dtype).removeprefix('torch.')}"
     if attn_mask is not None and attn_mask.dtype not in _MASK_DTYPES:
         return f"attn_mask dtype {str(attn_mask.dtype).removeprefix('torch.')}"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return "inputs require grad and attnkit has no backward yet"
+    if torch.is_grad_enabled() and attn_mask is not None and attn_mask.requires_grad:
+        return "attn_mask requires grad and attnkit computes no mask gradient"
     if any(t.numel() == 0 for t in (query, key, value)):
         return None
     if query.shape[-1] > _MAX_HEAD_DIM or value.shape[-1] > _MAX_HEAD_DIM:
@@ -150,10 +153,21 @@ def _attnkit_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
             raise _Unmapped(None)
         mask = _pad(attn_mask, ndim)
         mask4 = attn_mask if ndim == 4 else _as_4d_batch(mask, batch, mask.shape[-3])
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     seed = None
-    if dropout_p > 0.0 and not torch.compiler.is_compiling():
-        # from torch's generator, so that torch.manual_seed makes the call reproducible
-        seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64).item())
+    if dropout_p > 0.0:
+        if torch.compiler.is_compiling():
+            if needs_grad:  # the backward needs the forward's seed, and none is drawn here
+                raise _Unmapped("dropout with inputs that require grad under torch.compile")
+        else:
+            # from torch's generator, so that torch.manual_seed makes the call reproducible
+            seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64).item())
+    if needs_grad:  # autograd through attnkit::attention; expand and reshape carry the rest
+        out4 = attention(q4, k4, v4, attn_mask=mask4, causal=is_causal, scale=scale, dropout_p=dropout_p,
+                         seed=seed, enable_gqa=heads != hk)
+        out = out4.reshape(out_shape)
+        result_ndim = max(query.dim(), key.dim(), value.dim())
+        return out.view(out_shape[ndim - result_ndim:]) if result_ndim < ndim else out
     out = query.new_empty(out_shape)
     out4 = out if len(batch) == 1 else out.view(-1, heads, *out_shape[-2:])
     attention(q4, k4, v4, attn_mask=mask4, causal=is_causal, scale=scale, dropout_p=dropout_p, seed=seed,

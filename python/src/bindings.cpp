@@ -155,7 +155,9 @@ void attention_backward(const InArray& q, const InArray& k, const InArray& v, co
                         const OutArray& dv, const std::optional<InArray>& dlse,
                         const std::optional<InArray>& attn_mask, int causal,
                         std::optional<double> scale, double dropout_p, std::optional<uint64_t> seed,
-                        bool enable_gqa, const std::string& layout) {
+                        bool enable_gqa, const std::string& layout, int64_t window_left, int64_t window_right,
+                        std::optional<double> softcap, const std::optional<InArray>& alibi_slopes,
+                        const std::optional<InArray>& sinks, const std::optional<OutArray>& dsinks) {
   attnkit::AttentionBackwardArgs args;
   args.q = to_view(q, "q");
   args.k = to_view(k, "k");
@@ -174,6 +176,11 @@ void attention_backward(const InArray& q, const InArray& k, const InArray& v, co
   args.seed = seed;
   args.enable_gqa = enable_gqa;
   args.layout = parse_layout(layout);
+  args.window_left = window_left, args.window_right = window_right;
+  args.softcap = softcap;
+  args.alibi_slopes = to_view(alibi_slopes, "alibi_slopes");
+  args.sinks = to_view(sinks, "sinks");
+  args.dsinks = to_view(dsinks, "dsinks");
   run_op([&] { attnkit::attention_backward(args); });
 }
 
@@ -420,7 +427,9 @@ NB_MODULE(_C, m) {
         "alibi_slopes"_a.none() = nb::none(), "sinks"_a.none() = nb::none());
   m.def("attention_backward", &attention_backward, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "dout"_a, "dq"_a,
         "dk"_a, "dv"_a, "dlse"_a.none(), "attn_mask"_a.none(), "causal"_a, "scale"_a.none(), "dropout_p"_a,
-        "seed"_a.none(), "enable_gqa"_a, "layout"_a);
+        "seed"_a.none(), "enable_gqa"_a, "layout"_a, "window_left"_a = -1, "window_right"_a = -1,
+        "softcap"_a.none() = nb::none(), "alibi_slopes"_a.none() = nb::none(), "sinks"_a.none() = nb::none(),
+        "dsinks"_a.none() = nb::none());
   m.def("cast", &cast, "src"_a, "dst"_a);
   m.def("sage_attention", &sage_attention, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(), "causal"_a,
         "scale"_a.none(), "layout"_a, "mode"_a, "window_left"_a = -1, "window_right"_a = -1,

@@ -1,18 +1,30 @@
-// Dense attention backward on the CPU (FlashAttention-2's algorithm). One task is a run of
-// key blocks of one (batch, kv head); per block of kKeyBlock keys it visits every query
-// block of the group's heads, in a fixed order, recomputing S = Q·Kᵀ·scale (+ mask, causal)
-// and P = exp(S - lse), then dV += Pᵀ·dO, dP = dO·Vᵀ, dS = P∘(dP - D) with D = rowsum(dO∘O),
-// dK += dSᵀ·Q·scale and a partial dQ += dS·K in the task's own float32 buffer. The partial
-// dQs are summed in split order afterwards, so the gradients are bit-identical for any
-// thread count (the split depends on the shapes only). Dropout regenerates the forward's
-// keep mask (detail::dropout_bits per 4 keys). All products run on the shared gemm tiles;
-// for bf16 inputs on avx512bf16, S and dP (products of the bf16 inputs, so exact in pairs)
-// run on bf16 pairs (vdpbf16ps), and dV, dK on pairs with P and dS rounded to bf16 (dQ stays
-// fp32). Compiled once per ISA.
+// Dense attention backward on the CPU (FlashAttention-2's algorithm), in three passes:
+//  1. per query head (b, h): the row terms c = f·D - dlse with D = rowsum(dO∘O) and f the
+//     share of the softmax left by the sink (1 without sinks), the sink's gradient, and Q
+//     and dO packed once in the layouts the gemms read;
+//  2. one task per run of key blocks of one (batch, kv head): per block of kKeyBlock keys
+//     (K, V packed once) it visits every query block of the group's heads in a fixed order,
+//     recomputing S = Q·Kᵀ·scale (+ soft-cap, ALiBi, window, mask, causal), E = exp(S - lse)
+//     and P = f·E, then dV += Pᵀ·dO, dP = dO·Vᵀ, dS = E∘(f·dP - c) (times the soft-cap's
+//     derivative), dK += dSᵀ·Q (dK, dV stay in the task's buffers), and a partial
+//     dQ += dS·K in the split's own float32 rows;
+//  3. per query head: the splits' partial dQs summed in split order.
+// The split depends on the shapes only, so the gradients are bit-identical for any thread
+// count. Dropout regenerates the forward's keep mask (detail::dropout_bits per 4 keys). All
+// products run on the shared gemm tiles; for bf16 inputs on avx512bf16 all five run on bf16
+// pairs (vdpbf16ps): S and dP exactly (products of the bf16 inputs), dV, dK and dQ with P
+// and dS rounded to bf16 (as the forward rounds P for P·V, and FlashAttention does).
+// Compiled once per ISA.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <new>
+#include <utility>
+#include <vector>
+
+#include <sys/mman.h>
 
 #include "core/philox.h"
 #include "core/thread_pool.h"
@@ -28,8 +40,14 @@
 namespace attnkit::cpu::ATTNKIT_ISA {
 namespace {
 
-constexpr int64_t kKeyBlock = 64;  // keys per block: a multiple of kLanes and of 4 (dropout draws)
-constexpr int64_t kRowBlock = 64;  // query rows per block
+// Keys and query rows per block: whole register tiles at D = Dv = 128 for every product (S
+// and dP in 4 × 6-vector tiles, the others in 6 × 4). kKeyBlock is a multiple of kLanes and
+// of 4 (one dropout draw per 4 keys), kRowBlock even (query-row pairs). 192 keys halve the
+// passes over the query rows' Q and dO (streamed from L3 per key block) against 96, measured
+// ~5-10% faster at shape A; the key block's state (~0.7 MiB) stays in L2.
+constexpr int64_t kKeyBlock = 192;
+constexpr int64_t kRowBlock = 96;
+
 constexpr int64_t kMinTasks = 16;  // fewer (batch, kv head) pairs than this: split the keys
 #if defined(ATTNKIT_ISA_avx512bf16)
 constexpr bool kDotProducts = true;  // vdpbf16ps
@@ -37,11 +55,36 @@ constexpr bool kDotProducts = true;  // vdpbf16ps
 constexpr bool kDotProducts = false;
 #endif
 
-// How the keys split into tasks, and the per-thread workspace.
-struct BackwardPlan {
-  int64_t key_blocks, splits, blocks_per_split, tasks, d_pad, dv_pad, workspace_floats;
+// gemm_bf16 where the ISA has it (callers use it only when kDotProducts).
+template <int MR, int NV>
+void gemm_pairs(int64_t m, int64_t n, int64_t pairs, const uint32_t* a, int64_t lda, int64_t a_step,
+                const uint32_t* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+#if defined(ATTNKIT_ISA_avx512bf16)
+  gemm_bf16<MR, NV>(m, n, pairs, a, lda, a_step, b, ldb, c, ldc, accumulate);
+#else
+  (void)m, (void)n, (void)pairs, (void)a, (void)lda, (void)a_step, (void)b, (void)ldb, (void)c, (void)ldc,
+      (void)accumulate;
+#endif
+}
 
-  explicit BackwardPlan(const AttentionParams& p) {
+// n fp32 values rounded to bf16 (NaN stays NaN) as 16-bit values: a row of pairs along it.
+inline void round_row_bf16(const float* src, int64_t n, uint16_t* dst) {
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const vhalf h = __builtin_convertvector(round_to_bf16_bits(vload(src + i), kBf16QuietNan), vhalf);
+    std::memcpy(dst + i, &h, sizeof h);
+  }
+}
+
+// How the keys split into tasks, the per-thread workspace and the per-head prepared data.
+struct BackwardPlan {
+  bool pairs;  // bf16 pairs for every product
+  bool q_in_place, dout_in_place;
+  std::vector<int64_t> dq_offset;  // split s's partial dQ rows start at dq_offset[s] floats
+  int64_t key_blocks, splits, blocks_per_split, tasks, d_pad, dv_pad, d_pairs, dv_pairs, rows16, row_pairs;
+  int64_t workspace_floats, prepared_floats;
+
+  BackwardPlan(const AttentionBackwardParams& bp, bool use_pairs) : pairs(use_pairs) {
+    const AttentionParams& p = bp.fwd;
     key_blocks = (p.Skv + kKeyBlock - 1) / kKeyBlock;
     const int64_t heads = p.B * p.Hkv;
     const int64_t want = heads > 0 ? (kMinTasks + heads - 1) / heads : 1;
@@ -51,62 +94,217 @@ struct BackwardPlan {
     tasks = heads * splits;
     d_pad = round_up(p.D, kLanes);
     dv_pad = round_up(p.Dv, kLanes);
-    workspace_floats = 2 * kKeyBlock * d_pad          // K rows, Kᵀ
-                       + 2 * kKeyBlock * dv_pad       // V rows, Vᵀ
-                       + kKeyBlock * (d_pad + dv_pad)  // dK, dV accumulators
-                       + kRowBlock * (d_pad + dv_pad)  // Q, dO
-                       + 3 * kRowBlock * kKeyBlock     // P, dP then dS, dropped P
-                       + 2 * kRowBlock + dv_pad        // lse, D, one O row
-                       + (kKeyBlock + kRowBlock) * (d_pad + dv_pad)   // bf16 pairs of Kᵀ, Vᵀ, Q, dO
-                       + kRowBlock / 2 * (2 * kKeyBlock + d_pad + dv_pad);  // row pairs of P, dS, dO, Q
+    d_pairs = (p.D + 1) / 2, dv_pairs = (p.Dv + 1) / 2;
+    rows16 = round_up(p.Sq, 16);
+    row_pairs = (p.Sq + 1) / 2;
+    const int64_t blk = kKeyBlock * (d_pad + dv_pad);
+    workspace_floats = blk                  // K, V rows
+                       + blk                // Kᵀ, Vᵀ
+                       + blk                // dK, dV accumulators
+                       + blk                // bf16 pairs: Kᵀ, Vᵀ along D (Dv); K rows in key pairs
+                       + 6 * kRowBlock * kKeyBlock  // E, dP then dS, dropped P, tanh, row pairs of P and dS
+                       + kRowBlock * kKeyBlock / 2  // dS pairs along the keys
+                       + 2 * (d_pad + dv_pad) + dv_pad;  // two Q and dO rows being packed, an O row
+    // Q and dO are read in place where they already have a gemm's layout: bf16 pairs along D
+    // (contiguous rows of even length), or fp32 rows of whole vectors.
+    auto in_place = [&](const int64_t* stride, int64_t n) {
+      if (stride[3] != 1) return false;
+      return pairs ? n % 2 == 0 && stride[2] % 2 == 0 : p.dtype == DType::float32 && n % kLanes == 0;
+    };
+    q_in_place = in_place(p.q_stride, p.D), dout_in_place = in_place(bp.dout_stride, p.Dv);
+    const int64_t q_floats = q_in_place ? 0 : p.Sq * (pairs ? d_pairs : d_pad);
+    const int64_t dout_floats = dout_in_place ? 0 : p.Sq * (pairs ? dv_pairs : dv_pad);
+    prepared_floats = 3 * rows16 + round_up(q_floats + dout_floats + (pairs ? row_pairs * (d_pad + dv_pad) : 0), 16);
+    // Split s writes dQ rows from first_row(s) on (causal: the later key blocks' queries).
+    dq_offset.resize(splits + 1);
+    dq_offset[0] = 0;
+    for (int64_t s = 0; s < splits; ++s) dq_offset[s + 1] = dq_offset[s] + p.B * p.Hq * (p.Sq - first_row(p, s)) * d_pad;
+  }
+
+  // The query rows [first, end) that can see some key of j0 .. j0+bc-1 (the causal limit and
+  // the window), rounded out to even rows (query-row pairs start there).
+  static std::pair<int64_t, int64_t> rows_of(const AttentionParams& p, int64_t j0, int64_t bc) {
+    int64_t first = 0, end = p.Sq;
+    // Aligned query a = i + offset sees keys up to a (causal) or a + window_right.
+    if (p.causal) first = j0 - p.causal_offset;
+    else if (p.window_right >= 0) first = j0 - p.window_right - p.causal_offset;
+    if (p.window_left >= 0) end = std::min(end, round_up(j0 + bc + p.window_left - p.causal_offset, 2));
+    first = std::clamp<int64_t>(first, 0, p.Sq) / 2 * 2;
+    return {first, std::max(first, end)};
+  }
+  int64_t first_row(const AttentionParams& p, int64_t split) const {
+    return rows_of(p, split * blocks_per_split * kKeyBlock, kKeyBlock).first;
   }
 };
 
 struct BackwardWorkspace {
-  float *k, *kt, *v, *vt, *dk, *dv, *q, *dout, *p, *ds, *pd, *lse, *delta, *o_row;
-  uint32_t *kt_pairs, *vt_pairs, *q_pairs, *dout_pairs;  // bf16 pairs along D (Dv), avx512bf16
-  uint32_t *p_rows, *ds_rows, *dout_rows, *q_rows;        // bf16 pairs of query rows, avx512bf16
+  float *k, *v, *kt, *vt, *dk, *dv, *e, *ds, *pd, *t, *pack;
+  uint32_t *kt_pairs, *vt_pairs, *k_rows;  // pairs along D (Dv) of Kᵀ (Vᵀ); key pairs of K
+  uint32_t *p_rows, *ds_rows;              // query-row pairs of P and dS
+  uint16_t* ds_keys;                       // dS in bf16: pairs along the keys
   BackwardWorkspace(float* base, const BackwardPlan& plan) {
-    const int64_t dp = plan.d_pad, dvp = plan.dv_pad;
-    k = base, kt = k + kKeyBlock * dp, v = kt + kKeyBlock * dp, vt = v + kKeyBlock * dvp;
-    dk = vt + kKeyBlock * dvp, dv = dk + kKeyBlock * dp;
-    q = dv + kKeyBlock * dvp, dout = q + kRowBlock * dp;
-    p = dout + kRowBlock * dvp, ds = p + kRowBlock * kKeyBlock, pd = ds + kRowBlock * kKeyBlock;
-    lse = pd + kRowBlock * kKeyBlock, delta = lse + kRowBlock, o_row = delta + kRowBlock;
-    kt_pairs = reinterpret_cast<uint32_t*>(o_row + dvp), vt_pairs = kt_pairs + kKeyBlock * dp;
-    q_pairs = vt_pairs + kKeyBlock * dvp, dout_pairs = q_pairs + kRowBlock * dp;
-    p_rows = dout_pairs + kRowBlock * dvp, ds_rows = p_rows + kRowBlock / 2 * kKeyBlock;
-    dout_rows = ds_rows + kRowBlock / 2 * kKeyBlock, q_rows = dout_rows + kRowBlock / 2 * dvp;
+    const int64_t dp = plan.d_pad, dvp = plan.dv_pad, kb = kKeyBlock, rb = kRowBlock;
+    k = base, v = k + kb * dp, kt = v + kb * dvp, vt = kt + kb * dp, dk = vt + kb * dvp, dv = dk + kb * dp;
+    kt_pairs = reinterpret_cast<uint32_t*>(dv + kb * dvp), vt_pairs = kt_pairs + kb * dp / 2;
+    k_rows = vt_pairs + kb * dvp / 2;
+    e = reinterpret_cast<float*>(k_rows + kb / 2 * dp);
+    ds = e + rb * kb, pd = ds + rb * kb, t = pd + rb * kb;
+    p_rows = reinterpret_cast<uint32_t*>(t + rb * kb), ds_rows = p_rows + rb * kb;
+    ds_keys = reinterpret_cast<uint16_t*>(ds_rows + rb * kb);
+    pack = reinterpret_cast<float*>(ds_keys + rb * kb);
   }
 };
 
+// One query head's prepared data (pass 1), read by every key block.
+struct PreparedHead {
+  float *lse, *c, *f;
+  const float* q;                        // fp32 rows [Sq][q_ld], q_ld >= d_pad, in place or packed
+  const float* dout;                     // [Sq][dout_ld]
+  const uint32_t *q_pairs, *dout_pairs;  // bf16 pairs along D (Dv), rows q_ld (dout_ld) pairs apart
+  uint32_t *q_rows, *dout_rows;          // query-row pairs [(Sq + 1) / 2][d_pad], [..][dv_pad]
+  int64_t q_ld, dout_ld;
+  // The head's packed Q and dO (null where read in place).
+  float* q_packed = nullptr;
+  float* dout_packed = nullptr;
+  PreparedHead(float* base, const BackwardPlan& plan, const AttentionBackwardParams& bp, int64_t b, int64_t h) {
+    const AttentionParams& p = bp.fwd;
+    lse = base, c = lse + plan.rows16, f = c + plan.rows16;
+    float* rest = f + plan.rows16;
+    const int64_t q_width = plan.pairs ? plan.d_pairs : plan.d_pad, dout_width = plan.pairs ? plan.dv_pairs : plan.dv_pad;
+    const int64_t elem = p.dtype == DType::float32 ? 4 : 2;
+    const char* q_in = static_cast<const char*>(p.q) + (b * p.q_stride[0] + h * p.q_stride[1]) * elem;
+    const char* dout_in = static_cast<const char*>(bp.dout) + (b * bp.dout_stride[0] + h * bp.dout_stride[1]) * elem;
+    if (plan.q_in_place) {
+      q = reinterpret_cast<const float*>(q_in), q_ld = plan.pairs ? p.q_stride[2] / 2 : p.q_stride[2];
+    } else {
+      q = q_packed = rest, q_ld = q_width, rest += p.Sq * q_width;
+    }
+    if (plan.dout_in_place) {
+      dout = reinterpret_cast<const float*>(dout_in), dout_ld = plan.pairs ? bp.dout_stride[2] / 2 : bp.dout_stride[2];
+    } else {
+      dout = dout_packed = rest, dout_ld = dout_width, rest += p.Sq * dout_width;
+    }
+    q_pairs = reinterpret_cast<const uint32_t*>(q), dout_pairs = reinterpret_cast<const uint32_t*>(dout);
+    q_rows = reinterpret_cast<uint32_t*>(rest), dout_rows = q_rows + plan.row_pairs * plan.d_pad;
+  }
+};
+
+// A large scratch buffer on transparent huge pages where the kernel offers them: fresh 4 KiB
+// pages fault one by one on first touch, which on a VM cost as much as the prepare pass.
+struct LargeBuffer {
+  static constexpr int64_t kHuge = int64_t{1} << 21;
+  float* data = nullptr;
+  explicit LargeBuffer(int64_t floats) {
+    if (floats <= 0) return;
+    const int64_t bytes = round_up(floats * int64_t{sizeof(float)}, kHuge);
+    data = static_cast<float*>(std::aligned_alloc(kHuge, bytes));
+    if (!data) throw std::bad_alloc();
+#if defined(MADV_HUGEPAGE)
+    madvise(data, bytes, MADV_HUGEPAGE);  // advice only: failure leaves 4 KiB pages
+#endif
+  }
+  ~LargeBuffer() { std::free(data); }
+  LargeBuffer(const LargeBuffer&) = delete;
+  LargeBuffer& operator=(const LargeBuffer&) = delete;
+};
+
 template <DType T>
-class BackwardTask {
+class Backward {
   using E = typename Elem<T>::type;
-  static constexpr bool kPairs = kDotProducts && T == DType::bfloat16;  // S and dP on bf16 pairs
 
  public:
-  BackwardTask(const AttentionBackwardParams& bp, const BackwardPlan& plan, float* dq_partial)
-      : bp_(bp), p_(bp.fwd), plan_(plan), dq_partial_(dq_partial) {}
+  Backward(const AttentionBackwardParams& bp, const BackwardPlan& plan, float* prepared, float* dq_partial,
+           float* dsink_partial)
+      : bp_(bp), p_(bp.fwd), plan_(plan), prepared_(prepared), dq_partial_(dq_partial),
+        dsink_partial_(dsink_partial) {}
 
-  // Task t: key blocks of split t % splits of (batch, kv head) t / splits.
+  // Pass 1 for query head bh = b·Hq + h: lse, c, f, the sink's gradient share, Q and dO packed.
+  void prepare(int64_t bh, float* workspace) const {
+    const int64_t b = bh / p_.Hq, h = bh % p_.Hq;
+    const PreparedHead ph = head(b, h);
+    const BackwardWorkspace w(workspace, plan_);
+    float* q_row = w.pack;                  // two rows of d_pad
+    float* dout_row = w.pack + 2 * plan_.d_pad;  // two rows of dv_pad
+    const E* q = static_cast<const E*>(p_.q) + b * p_.q_stride[0] + h * p_.q_stride[1];
+    const E* dout = static_cast<const E*>(bp_.dout) + b * bp_.dout_stride[0] + h * bp_.dout_stride[1];
+    const E* out = static_cast<const E*>(p_.out) + b * p_.out_stride[0] + h * p_.out_stride[1];
+    const float sink = p_.sinks ? p_.sinks[h * p_.sinks_stride] : 0.0f;
+    double dsink = 0.0;
+    for (int64_t i = 0; i < p_.Sq; ++i) {
+      float* g = dout_row + (i % 2) * plan_.dv_pad;
+      float* o = w.pack + 2 * (plan_.d_pad + plan_.dv_pad);  // the O row
+      load_row<T>(dout + i * bp_.dout_stride[2], bp_.dout_stride[3], p_.Dv, 1.0f, g);
+      std::memset(g + p_.Dv, 0, sizeof(float) * (plan_.dv_pad - p_.Dv));
+      load_row<T>(out + i * p_.out_stride[2], p_.out_stride[3], p_.Dv, 1.0f, o);
+      std::memset(o + p_.Dv, 0, sizeof(float) * (plan_.dv_pad - p_.Dv));
+      vfloat acc{};
+      for (int64_t d = 0; d < plan_.dv_pad; d += kLanes) acc += vload(g + d) * vload(o + d);
+      float delta = 0.0f;
+      for (int l = 0; l < kLanes; ++l) delta += acc[l];
+      const float lse = p_.lse[b * p_.lse_stride[0] + h * p_.lse_stride[1] + i * p_.lse_stride[2]];
+      const float dlse =
+          bp_.dlse ? bp_.dlse[b * bp_.dlse_stride[0] + h * bp_.dlse_stride[1] + i * bp_.dlse_stride[2]] : 0.0f;
+      // With a sink, P = f·e^(S - lse), f = 1 / (1 + e^(sink - lse)) (lse excludes the sink);
+      // the sink's own probability is 1 - f, with dP = 0 (it has no value row).
+      float f = 1.0f;
+      if (p_.sinks && lse != -INFINITY) {
+        f = 1.0f / (1.0f + std::exp(sink - lse));
+        dsink -= double{1.0f - f} * delta;
+      }
+      ph.lse[i] = lse, ph.f[i] = f;
+      // lse's own gradient adds dlse·e^(S - lse) to dS: dS = e^(S - lse)·(f·dP - (f·D - dlse)).
+      ph.c[i] = f * delta - dlse;
+      if (plan_.pairs) {
+        if (ph.q_packed) {
+          pair_rows(q + i * p_.q_stride[2], p_.q_stride[2], p_.q_stride[3], 1, p_.D,
+                    reinterpret_cast<uint32_t*>(ph.q_packed) + i * plan_.d_pairs);
+        }
+        if (ph.dout_packed) {
+          pair_rows(dout + i * bp_.dout_stride[2], bp_.dout_stride[2], bp_.dout_stride[3], 1, p_.Dv,
+                    reinterpret_cast<uint32_t*>(ph.dout_packed) + i * plan_.dv_pairs);
+        }
+        float* qr = q_row + (i % 2) * plan_.d_pad;
+        load_row<T>(q + i * p_.q_stride[2], p_.q_stride[3], p_.D, 1.0f, qr);
+        std::memset(qr + p_.D, 0, sizeof(float) * (plan_.d_pad - p_.D));
+        if (i % 2 == 1 || i == p_.Sq - 1) {  // exact: the values are bf16 already
+          const int64_t n = i % 2 + 1;
+          pair_rows_bf16(q_row, n, plan_.d_pad, ph.q_rows + i / 2 * plan_.d_pad);
+          pair_rows_bf16(dout_row, n, plan_.dv_pad, ph.dout_rows + i / 2 * plan_.dv_pad);
+        }
+      } else {
+        if (ph.q_packed) {
+          load_row<T>(q + i * p_.q_stride[2], p_.q_stride[3], p_.D, 1.0f, ph.q_packed + i * plan_.d_pad);
+          std::memset(ph.q_packed + i * plan_.d_pad + p_.D, 0, sizeof(float) * (plan_.d_pad - p_.D));
+        }
+        if (ph.dout_packed) std::memcpy(ph.dout_packed + i * plan_.dv_pad, g, sizeof(float) * plan_.dv_pad);
+      }
+    }
+    if (dsink_partial_) dsink_partial_[bh] = static_cast<float>(dsink);
+  }
+
+  // Pass 2, task t: key blocks of split t % splits of (batch, kv head) t / splits.
   void run(int64_t t, float* workspace) const {
     const BackwardWorkspace w(workspace, plan_);
-    const int64_t split = t % plan_.splits, head = t / plan_.splits;
-    const int64_t b = head / p_.Hkv, kvh = head % p_.Hkv;
-    float* dq_part = dq_rows(split, b, kvh * p_.group);
-    if (p_.Sq > 0) std::memset(dq_part, 0, sizeof(float) * p_.group * p_.Sq * plan_.d_pad);
-    const int64_t kb_end = std::min(plan_.key_blocks, (split + 1) * plan_.blocks_per_split);
-    for (int64_t kb = split * plan_.blocks_per_split; kb < kb_end; ++kb) {
+    const int64_t split = t % plan_.splits, kv_head = t / plan_.splits;
+    const int64_t b = kv_head / p_.Hkv, kvh = kv_head % p_.Hkv;
+    const int64_t kb_begin = split * plan_.blocks_per_split;
+    const int64_t kb_end = std::min(plan_.key_blocks, kb_begin + plan_.blocks_per_split);
+    const int64_t first_row = plan_.first_row(p_, split);
+    for (int64_t h = kvh * p_.group; h < (kvh + 1) * p_.group; ++h) {
+      if (first_row < p_.Sq) {
+        std::memset(dq_row(split, b, h, first_row), 0,
+                    sizeof(float) * (p_.Sq - first_row) * plan_.d_pad);
+      }
+    }
+    for (int64_t kb = kb_begin; kb < kb_end; ++kb) {
       const int64_t j0 = kb * kKeyBlock, bc = std::min(kKeyBlock, p_.Skv - j0);
       pack_kv(b, kvh, j0, bc, w);
       std::memset(w.dk, 0, sizeof(float) * kKeyBlock * (plan_.d_pad + plan_.dv_pad));  // dK and dV
+      const auto [i_begin, i_end] = BackwardPlan::rows_of(p_, j0, bc);
       for (int64_t h = kvh * p_.group; h < (kvh + 1) * p_.group; ++h) {
-        // Causal: query i sees key j0 (and so any of the block) only from i = j0 - offset on.
-        const int64_t i_first = p_.causal ? std::max<int64_t>(0, j0 - p_.causal_offset) : 0;
-        for (int64_t i0 = i_first; i0 < p_.Sq; i0 += kRowBlock) {
-          float* dq_block = dq_part + ((h - kvh * p_.group) * p_.Sq + i0) * plan_.d_pad;
-          block(b, h, i0, std::min(kRowBlock, p_.Sq - i0), j0, bc, dq_block, w);
+        const PreparedHead ph = head(b, h);
+        for (int64_t i0 = i_begin; i0 < i_end; i0 += kRowBlock) {
+          block(b, h, ph, i0, std::min(kRowBlock, i_end - i0), j0, bc, dq_row(split, b, h, i0), w);
         }
       }
       store_rows(w.dk, plan_.d_pad, p_.D, p_.scale, static_cast<E*>(bp_.dk), bp_.dk_stride, b, kvh, j0, bc);
@@ -114,15 +312,15 @@ class BackwardTask {
     }
   }
 
-  // dq for (batch, head) bh: the splits' partial sums added in split order, times scale.
+  // Pass 3 for query head bh: dq = the splits' partial sums added in split order, times scale.
   void reduce_dq(int64_t bh, float* workspace) const {
     const int64_t b = bh / p_.Hq, h = bh % p_.Hq;
     float* sum = workspace;
     for (int64_t i = 0; i < p_.Sq; ++i) {
-      const float* first = dq_rows(0, b, h) + i * plan_.d_pad;
-      std::memcpy(sum, first, sizeof(float) * plan_.d_pad);
-      for (int64_t s = 1; s < plan_.splits; ++s) {
-        const float* part = dq_rows(s, b, h) + i * plan_.d_pad;
+      std::memset(sum, 0, sizeof(float) * plan_.d_pad);
+      for (int64_t s = 0; s < plan_.splits; ++s) {
+        if (i < plan_.first_row(p_, s)) continue;  // never written
+        const float* part = dq_row(s, b, h, i);
         for (int64_t d = 0; d < plan_.d_pad; d += kLanes) vstore(sum + d, vload(sum + d) + vload(part + d));
       }
       E* dst = static_cast<E*>(bp_.dq) + b * bp_.dq_stride[0] + h * bp_.dq_stride[1] + i * bp_.dq_stride[2];
@@ -131,37 +329,31 @@ class BackwardTask {
   }
 
  private:
-  // The partial dQ rows [Sq][d_pad] of split s, batch b, query head h.
-  float* dq_rows(int64_t s, int64_t b, int64_t h) const {
-    return dq_partial_ + ((s * p_.B + b) * p_.Hq + h) * p_.Sq * plan_.d_pad;
+  PreparedHead head(int64_t b, int64_t h) const {
+    return PreparedHead(prepared_ + (b * p_.Hq + h) * plan_.prepared_floats, plan_, bp_, b, h);
   }
 
-  // K and V rows j0 .. j0+bc-1 as fp32 rows, zero-padded to kKeyBlock rows, and transposed.
+  // Row i of split s's partial dQ (d_pad floats) for batch b, query head h: split s holds
+  // rows first_row(s) .. Sq-1 of each head.
+  float* dq_row(int64_t s, int64_t b, int64_t h, int64_t i) const {
+    const int64_t first = plan_.first_row(p_, s);
+    return dq_partial_ + plan_.dq_offset[s] + ((b * p_.Hq + h) * (p_.Sq - first) + i - first) * plan_.d_pad;
+  }
+
+  // K and V rows j0 .. j0+bc-1 as fp32 rows, zero-padded to kKeyBlock rows, and transposed
+  // (bf16 pairs of both, and K's rows in key pairs, where pairs are used).
   void pack_kv(int64_t b, int64_t kvh, int64_t j0, int64_t bc, const BackwardWorkspace& w) const {
     const E* k = static_cast<const E*>(p_.k) + b * p_.k_stride[0] + kvh * p_.k_stride[1];
     const E* v = static_cast<const E*>(p_.v) + b * p_.v_stride[0] + kvh * p_.v_stride[1];
-    pack_rows(k + j0 * p_.k_stride[2], p_.k_stride[2], p_.k_stride[3], bc, kKeyBlock, p_.D, plan_.d_pad, 1.0f,
-              w.k);
-    pack_rows(v + j0 * p_.v_stride[2], p_.v_stride[2], p_.v_stride[3], bc, kKeyBlock, p_.Dv, plan_.dv_pad,
-              1.0f, w.v);
+    pack_rows(k + j0 * p_.k_stride[2], p_.k_stride[2], p_.k_stride[3], bc, kKeyBlock, p_.D, plan_.d_pad, w.k);
+    pack_rows(v + j0 * p_.v_stride[2], p_.v_stride[2], p_.v_stride[3], bc, kKeyBlock, p_.Dv, plan_.dv_pad, w.v);
     transpose_matrix(w.k, plan_.d_pad, kKeyBlock, plan_.d_pad, w.kt, kKeyBlock);
     transpose_matrix(w.v, plan_.dv_pad, kKeyBlock, plan_.dv_pad, w.vt, kKeyBlock);
-    if constexpr (kPairs) {  // exact: the values are bf16 already
+    if (plan_.pairs) {  // exact: the values are bf16 already
       pair_rows_bf16(w.kt, p_.D, kKeyBlock, w.kt_pairs);
       pair_rows_bf16(w.vt, p_.Dv, kKeyBlock, w.vt_pairs);
+      pair_rows_bf16(w.k, kKeyBlock, plan_.d_pad, w.k_rows);
     }
-  }
-
-  // gemm_bf16 where the ISA has it (kPairs is false elsewhere).
-  template <int MR, int NV>
-  static void gemm_pairs(int64_t m, int64_t n, int64_t pairs, const uint32_t* a, int64_t lda, int64_t a_step,
-                         const uint32_t* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
-#if defined(ATTNKIT_ISA_avx512bf16)
-    gemm_bf16<MR, NV>(m, n, pairs, a, lda, a_step, b, ldb, c, ldc, accumulate);
-#else
-    (void)m, (void)n, (void)pairs, (void)a, (void)lda, (void)a_step, (void)b, (void)ldb, (void)c, (void)ldc,
-        (void)accumulate;
-#endif
   }
 
   // n bf16 rows as pairs along the row, (n_cols + 1) / 2 per row: the bits as stored where
@@ -184,12 +376,12 @@ class BackwardTask {
     }
   }
 
-  // n rows (row_stride apart, elements col_stride apart) of `cols` elements times scale into
-  // dst [rows][ld], zero beyond: rows n .. rows-1 and columns cols .. ld-1.
+  // n rows (row_stride apart, elements col_stride apart) of `cols` elements into dst
+  // [rows][ld], zero beyond: rows n .. rows-1 and columns cols .. ld-1.
   static void pack_rows(const E* src, int64_t row_stride, int64_t col_stride, int64_t n, int64_t rows,
-                        int64_t cols, int64_t ld, float scale, float* dst) {
+                        int64_t cols, int64_t ld, float* dst) {
     for (int64_t r = 0; r < n; ++r) {
-      load_row<T>(src + r * row_stride, col_stride, cols, scale, dst + r * ld);
+      load_row<T>(src + r * row_stride, col_stride, cols, 1.0f, dst + r * ld);
       std::memset(dst + r * ld + cols, 0, sizeof(float) * (ld - cols));
     }
     if (rows > n) std::memset(dst + n * ld, 0, sizeof(float) * (rows - n) * ld);
@@ -204,112 +396,116 @@ class BackwardTask {
     }
   }
 
-  // One query block (head h, rows i0 .. i0+nr-1) against one key block (keys j0 .. j0+bc-1).
-  void block(int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t j0, int64_t bc, float* dq_part,
-             const BackwardWorkspace& w) const {
-    const int64_t dp = plan_.d_pad, dvp = plan_.dv_pad;
-    const E* q = static_cast<const E*>(p_.q) + b * p_.q_stride[0] + h * p_.q_stride[1] + i0 * p_.q_stride[2];
-    const E* dout = static_cast<const E*>(bp_.dout) + b * bp_.dout_stride[0] + h * bp_.dout_stride[1] +
-                    i0 * bp_.dout_stride[2];
-    const E* out =
-        static_cast<const E*>(p_.out) + b * p_.out_stride[0] + h * p_.out_stride[1] + i0 * p_.out_stride[2];
-    pack_rows(q, p_.q_stride[2], p_.q_stride[3], nr, nr, p_.D, dp, 1.0f, w.q);
-    pack_rows(dout, bp_.dout_stride[2], bp_.dout_stride[3], nr, nr, p_.Dv, dvp, 1.0f, w.dout);
+  // E = exp(S - lse) for the block's rows, S = Q·Kᵀ·scale with the modifiers and masks:
+  // 0 where masked, past the block, or in rows that saw no key (lse = -inf; their output
+  // was 0). With the soft-cap, w.t keeps tanh(s / cap) for its derivative.
+  void scores(int64_t b, int64_t h, const PreparedHead& ph, int64_t i0, int64_t nr, int64_t j0, int64_t bc,
+              const BackwardWorkspace& w) const {
+    const float softcap = p_.softcap;
+    const float slope = p_.alibi_slopes ? p_.alibi_slopes[b * p_.alibi_stride[0] + h * p_.alibi_stride[1]] : 0.0f;
+    const vfloat scale = vbroadcast(p_.scale), cap = vbroadcast(softcap), inv_cap = vbroadcast(1.0f / softcap);
+    vfloat lane{};
+    for (int l = 0; l < kLanes; ++l) lane[l] = static_cast<float>(l);
     for (int64_t r = 0; r < nr; ++r) {
-      load_row<T>(out + r * p_.out_stride[2], p_.out_stride[3], p_.Dv, 1.0f, w.o_row);
-      const float* g = w.dout + r * dvp;
-      float delta = 0.0f;
-      for (int64_t d = 0; d < p_.Dv; ++d) delta += g[d] * w.o_row[d];
-      // lse's own gradient adds dlse·P to dS: the same as lowering D by dlse.
-      if (bp_.dlse) {
-        delta -= bp_.dlse[b * bp_.dlse_stride[0] + h * bp_.dlse_stride[1] + (i0 + r) * bp_.dlse_stride[2]];
-      }
-      w.delta[r] = delta;
-      w.lse[r] = p_.lse[b * p_.lse_stride[0] + h * p_.lse_stride[1] + (i0 + r) * p_.lse_stride[2]];
-    }
-
-    // S = Q·Kᵀ·scale, then P = exp(S - lse): 0 where masked, past the block, or in rows
-    // that saw no key (lse = -inf; their output was 0).
-    const int64_t d_pairs = (p_.D + 1) / 2, dv_pairs = (p_.Dv + 1) / 2;
-    if constexpr (kPairs) {
-      pair_rows(q, p_.q_stride[2], p_.q_stride[3], nr, p_.D, w.q_pairs);
-      gemm_pairs<kTallRows, kTallVecs>(nr, kKeyBlock, d_pairs, w.q_pairs, d_pairs, 1, w.kt_pairs, kKeyBlock,
-                                       w.p, kKeyBlock, false);
-    } else {
-      gemm<kTallRows, kTallVecs>(nr, kKeyBlock, p_.D, w.q, dp, 1, w.kt, kKeyBlock, w.p, kKeyBlock, false);
-    }
-    const vfloat scale = vbroadcast(p_.scale);
-    for (int64_t r = 0; r < nr; ++r) {
-      float* s = w.p + r * kKeyBlock;
-      for (int64_t jj = 0; jj < kKeyBlock; jj += kLanes) vstore(s + jj, vload(s + jj) * scale);
-      const int64_t i = i0 + r;
-      int64_t visible = bc;
-      if (p_.causal) visible = std::clamp<int64_t>(i + p_.causal_offset - j0 + 1, 0, bc);
-      if (p_.mask) {
-        const int64_t off = b * p_.mask_stride[0] + h * p_.mask_stride[1] + i * p_.mask_stride[2];
-        for (int64_t jj = 0; jj < visible; ++jj) {
-          s[jj] += load_mask(p_.mask_dtype, p_.mask, off + (j0 + jj) * p_.mask_stride[3]);
-        }
-      }
-      for (int64_t jj = visible; jj < kKeyBlock; ++jj) s[jj] = -INFINITY;
-      const float lse = w.lse[r];
+      float* s = w.e + r * kKeyBlock;
+      const int64_t i = i0 + r, a = i + p_.causal_offset;  // the aligned query position
+      const float lse = ph.lse[i];
       if (lse == -INFINITY) {
         std::memset(s, 0, sizeof(float) * kKeyBlock);
+        if (softcap != 0.0f) std::memset(w.t + r * kKeyBlock, 0, sizeof(float) * kKeyBlock);
         continue;
       }
+      // Keys j0 + [lo, hi) pass the causal limit and the window.
+      int64_t lo = 0, hi = bc;
+      if (p_.causal) hi = std::min(hi, a - j0 + 1);
+      if (p_.window_right >= 0) hi = std::min(hi, a + p_.window_right - j0 + 1);
+      if (p_.window_left >= 0) lo = std::max(lo, a - p_.window_left - j0);
+      hi = std::max<int64_t>(hi, 0), lo = std::min(lo, hi);
+      const vfloat vlse = vbroadcast(lse), dist0 = vbroadcast(static_cast<float>(a - j0)) - lane;
       for (int64_t jj = 0; jj < kKeyBlock; jj += kLanes) {
-        vstore(s + jj, vexp2((vload(s + jj) - lse) * kLog2e));
+        vfloat x = vload(s + jj) * scale;
+        if (softcap != 0.0f) {
+          x = vsoftcap(x, cap, inv_cap);
+          vstore(w.t + r * kKeyBlock + jj, x * inv_cap);
+        }
+        if (p_.alibi_slopes) {  // -slope·|a - j| (a - j exact in float below 2^24)
+          x -= slope * (vfloat)((vint)(dist0 - static_cast<float>(jj)) & 0x7FFFFFFF);
+        }
+        vstore(s + jj, x);
       }
-    }
-
-    // dP = dO·Vᵀ; with dropout, the kept P and dP scaled by 1/(1-p), dropped ones zero.
-    if constexpr (kPairs) {
-      pair_rows(dout, bp_.dout_stride[2], bp_.dout_stride[3], nr, p_.Dv, w.dout_pairs);
-      gemm_pairs<kTallRows, kTallVecs>(nr, kKeyBlock, dv_pairs, w.dout_pairs, dv_pairs, 1, w.vt_pairs,
-                                       kKeyBlock, w.ds, kKeyBlock, false);
-    } else {
-      gemm<kTallRows, kTallVecs>(nr, kKeyBlock, p_.Dv, w.dout, dvp, 1, w.vt, kKeyBlock, w.ds, kKeyBlock,
-                                 false);
-    }
-    const float* p_dropped = w.p;
-    if (p_.dropout_p > 0.0f) {
-      apply_dropout(b, h, i0, nr, j0, w);
-      p_dropped = w.pd;
-    }
-    // dS = P∘(dP - D)
-    for (int64_t r = 0; r < nr; ++r) {
-      const vfloat delta = vbroadcast(w.delta[r]);
-      float* ds = w.ds + r * kKeyBlock;
-      const float* pr = w.p + r * kKeyBlock;
-      for (int64_t jj = 0; jj < kKeyBlock; jj += kLanes) {
-        vstore(ds + jj, vload(pr + jj) * (vload(ds + jj) - delta));
+      if (p_.mask) {
+        const int64_t off = b * p_.mask_stride[0] + h * p_.mask_stride[1] + i * p_.mask_stride[2];
+        for (int64_t jj = lo; jj < hi; ++jj) s[jj] += load_mask(p_.mask_dtype, p_.mask, off + (j0 + jj) * p_.mask_stride[3]);
       }
+      for (int64_t jj = 0; jj < lo; ++jj) s[jj] = -INFINITY;
+      for (int64_t jj = hi; jj < kKeyBlock; ++jj) s[jj] = -INFINITY;
+      for (int64_t jj = 0; jj < kKeyBlock; jj += kLanes) vstore(s + jj, vexp2((vload(s + jj) - vlse) * kLog2e));
     }
-
-    // dV += P_droppedᵀ·dO, dK += dSᵀ·Q and dQ += dS·K (both times scale when stored). With
-    // bf16 pairs, P and dS are rounded to bf16 for dV and dK (as the forward rounds P for
-    // P·V, and FlashAttention does): pairs of query rows, the reduction axis.
-    if constexpr (kPairs) {
-      const int64_t row_pairs = (nr + 1) / 2;
-      pair_rows_bf16(p_dropped, nr, kKeyBlock, w.p_rows);
-      pair_rows_bf16(w.ds, nr, kKeyBlock, w.ds_rows);
-      pair_rows_bf16(w.dout, nr, dvp, w.dout_rows);
-      pair_rows_bf16(w.q, nr, dp, w.q_rows);
-      gemm_pairs<kTallRows, kTallVecs>(bc, dvp, row_pairs, w.p_rows, 1, kKeyBlock, w.dout_rows, dvp, w.dv,
-                                       dvp, true);
-      gemm_pairs<kTallRows, kTallVecs>(bc, dp, row_pairs, w.ds_rows, 1, kKeyBlock, w.q_rows, dp, w.dk, dp,
-                                       true);
-    } else {
-      gemm<kTallRows, kTallVecs>(bc, dvp, nr, p_dropped, 1, kKeyBlock, w.dout, dvp, w.dv, dvp, true);
-      gemm<kTallRows, kTallVecs>(bc, dp, nr, w.ds, 1, kKeyBlock, w.q, dp, w.dk, dp, true);
-    }
-    gemm<kTallRows, kTallVecs>(nr, dp, bc, w.ds, kKeyBlock, 1, w.k, dp, dq_part, dp, true);
   }
 
-  // The forward's keep mask (one Philox draw per 4 keys of row (b, h, i)): w.pd = P·keep/(1-p)
+  // One query block (head h, rows i0 .. i0+nr-1) against one key block (keys j0 .. j0+bc-1).
+  void block(int64_t b, int64_t h, const PreparedHead& ph, int64_t i0, int64_t nr, int64_t j0, int64_t bc,
+             float* dq_part, const BackwardWorkspace& w) const {
+    const int64_t dp = plan_.d_pad, dvp = plan_.dv_pad, nr_pairs = (nr + 1) / 2;
+    // S = Q·Kᵀ and dP = dO·Vᵀ
+    if (plan_.pairs) {
+      gemm_pairs<kWideRows, kWideVecs>(nr, kKeyBlock, plan_.d_pairs, ph.q_pairs + i0 * ph.q_ld,
+                                       ph.q_ld, 1, w.kt_pairs, kKeyBlock, w.e, kKeyBlock, false);
+      gemm_pairs<kWideRows, kWideVecs>(nr, kKeyBlock, plan_.dv_pairs, ph.dout_pairs + i0 * ph.dout_ld,
+                                       ph.dout_ld, 1, w.vt_pairs, kKeyBlock, w.ds, kKeyBlock, false);
+    } else {
+      gemm<kWideRows, kWideVecs>(nr, kKeyBlock, p_.D, ph.q + i0 * ph.q_ld, ph.q_ld, 1, w.kt, kKeyBlock, w.e, kKeyBlock,
+                                 false);
+      gemm<kWideRows, kWideVecs>(nr, kKeyBlock, p_.Dv, ph.dout + i0 * ph.dout_ld, ph.dout_ld, 1, w.vt, kKeyBlock, w.ds,
+                                 kKeyBlock, false);
+    }
+    scores(b, h, ph, i0, nr, j0, bc, w);
+
+    // P = f·E, dS = E∘(f·dP - c) (dropout: P and dP times keep/(1-p)), times the
+    // soft-cap's derivative 1 - tanh².
+    const bool dropout = p_.dropout_p > 0.0f;
+    if (dropout) apply_dropout(b, h, i0, nr, j0, w);
+    const bool sinks = p_.sinks != nullptr, softcap = p_.softcap != 0.0f;
+    const float* p = (dropout || sinks) ? w.pd : w.e;
+    const vfloat one = vbroadcast(1.0f);
+    for (int64_t r = 0; r < nr; ++r) {
+      const vfloat c = vbroadcast(ph.c[i0 + r]), f = vbroadcast(ph.f[i0 + r]);
+      float* ds = w.ds + r * kKeyBlock;
+      const float* e = w.e + r * kKeyBlock;
+      float* pd = w.pd + r * kKeyBlock;
+      for (int64_t jj = 0; jj < kKeyBlock; jj += kLanes) {
+        const vfloat ev = vload(e + jj);
+        vfloat dsv = ev * (f * vload(ds + jj) - c);
+        if (softcap) {
+          const vfloat tv = vload(w.t + r * kKeyBlock + jj);
+          dsv *= one - tv * tv;
+        }
+        vstore(ds + jj, dsv);
+        if (sinks) vstore(pd + jj, (dropout ? vload(pd + jj) : ev) * f);
+      }
+    }
+
+    // dV += Pᵀ·dO, dK += dSᵀ·Q and dQ += dS·K (the last two times scale when stored).
+    if (plan_.pairs) {
+      pair_rows_bf16(p, nr, kKeyBlock, w.p_rows);
+      pair_rows_bf16(w.ds, nr, kKeyBlock, w.ds_rows);
+      for (int64_t r = 0; r < nr; ++r) round_row_bf16(w.ds + r * kKeyBlock, kKeyBlock, w.ds_keys + r * kKeyBlock);
+      gemm_pairs<kTallRows, kTallVecs>(bc, dvp, nr_pairs, w.p_rows, 1, kKeyBlock, ph.dout_rows + i0 / 2 * dvp,
+                                       dvp, w.dv, dvp, true);
+      gemm_pairs<kTallRows, kTallVecs>(bc, dp, nr_pairs, w.ds_rows, 1, kKeyBlock, ph.q_rows + i0 / 2 * dp, dp,
+                                       w.dk, dp, true);
+      gemm_pairs<kTallRows, kTallVecs>(nr, dp, (bc + 1) / 2, reinterpret_cast<const uint32_t*>(w.ds_keys),
+                                       kKeyBlock / 2, 1, w.k_rows, dp, dq_part, dp, true);
+    } else {
+      gemm<kTallRows, kTallVecs>(bc, dvp, nr, p, 1, kKeyBlock, ph.dout + i0 * ph.dout_ld, ph.dout_ld, w.dv, dvp, true);
+      gemm<kTallRows, kTallVecs>(bc, dp, nr, w.ds, 1, kKeyBlock, ph.q + i0 * ph.q_ld, ph.q_ld, w.dk, dp, true);
+      gemm<kTallRows, kTallVecs>(nr, dp, bc, w.ds, kKeyBlock, 1, w.k, dp, dq_part, dp, true);
+    }
+  }
+
+  // The forward's keep mask (one Philox draw per 4 keys of row (b, h, i)): w.pd = E·keep/(1-p)
   // and dP·keep/(1-p) in place.
-  void apply_dropout(int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t j0,
-                     const BackwardWorkspace& w) const {
+  void apply_dropout(int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t j0, const BackwardWorkspace& w) const {
     const uint32_t threshold = detail::dropout_threshold(p_.dropout_p);
     const float keep_scale = 1.0f / (1.0f - p_.dropout_p);
     for (int64_t r = 0; r < nr; ++r) {
@@ -318,7 +514,7 @@ class BackwardTask {
         for (int64_t k = 0; k < 4; ++k) {
           const int64_t at = r * kKeyBlock + jj + k;
           const bool keep = bits[k] >= threshold;
-          w.pd[at] = keep ? w.p[at] * keep_scale : 0.0f;
+          w.pd[at] = keep ? w.e[at] * keep_scale : 0.0f;
           w.ds[at] = keep ? w.ds[at] * keep_scale : 0.0f;
         }
       }
@@ -328,25 +524,34 @@ class BackwardTask {
   const AttentionBackwardParams& bp_;
   const AttentionParams& p_;
   const BackwardPlan& plan_;
-  float* dq_partial_;  // [splits][B][Hq][Sq][d_pad]
+  float* prepared_;       // [B][Hq][prepared_floats]
+  float* dq_partial_;     // per split s: [B][Hq][Sq - first_row(s)][d_pad]
+  float* dsink_partial_;  // [B][Hq] or null
 };
 
 template <DType T>
 void run_backward(const AttentionBackwardParams& bp) {
   const AttentionParams& p = bp.fwd;
   const int threads = detail::num_threads();
-  const BackwardPlan plan(p);
+  const BackwardPlan plan(bp, kDotProducts && T == DType::bfloat16);
   AlignedBuffer<float> workspace(plan.workspace_floats * threads);
-  AlignedBuffer<float> dq_partial(plan.splits * p.B * p.Hq * p.Sq * plan.d_pad);
-  const BackwardTask<T> task(bp, plan, dq_partial.data);
-  auto key_blocks = [&](int64_t t, int thread) {
-    task.run(t, workspace.data + plan.workspace_floats * thread);
-  };
+  LargeBuffer prepared(plan.prepared_floats * p.B * p.Hq);
+  LargeBuffer dq_partial(plan.dq_offset[plan.splits]);
+  AlignedBuffer<float> dsink_partial(bp.dsinks ? p.B * p.Hq : 0);
+  const Backward<T> task(bp, plan, prepared.data, dq_partial.data, dsink_partial.data);
+  auto prepare = [&](int64_t bh, int thread) { task.prepare(bh, workspace.data + plan.workspace_floats * thread); };
+  detail::parallel_for(p.B * p.Hq, threads, prepare);
+  auto key_blocks = [&](int64_t t, int thread) { task.run(t, workspace.data + plan.workspace_floats * thread); };
   detail::parallel_for(plan.tasks, threads, key_blocks);
-  auto reduce = [&](int64_t bh, int thread) {
-    task.reduce_dq(bh, workspace.data + plan.workspace_floats * thread);
-  };
+  auto reduce = [&](int64_t bh, int thread) { task.reduce_dq(bh, workspace.data + plan.workspace_floats * thread); };
   detail::parallel_for(p.B * p.Hq, threads, reduce);
+  if (bp.dsinks) {  // the sink's gradient summed over the batch, in batch order
+    for (int64_t h = 0; h < p.Hq; ++h) {
+      float sum = 0.0f;
+      for (int64_t b = 0; b < p.B; ++b) sum += dsink_partial.data[b * p.Hq + h];
+      bp.dsinks[h * bp.dsinks_stride] = sum;
+    }
+  }
 }
 
 }  // namespace

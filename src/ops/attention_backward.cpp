@@ -1,10 +1,11 @@
 // The dense-attention backward contract: the forward's checks (detail::attention_params on
-// the same arguments), then dout and the gradients (rank, dtype, shape, no self-overlap, no
+// the same arguments, score modifiers included), then dout and the gradients (rank, dtype, shape, no self-overlap, no
 // aliasing with any input or each other), then the params block for the kernel.
 #include "attnkit/attention_backward.h"
 
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "attnkit/error.h"
 #include "core/dispatch.h"
@@ -45,6 +46,8 @@ void attention_backward(const AttentionBackwardArgs& a) {
   fa.q = a.q, fa.k = a.k, fa.v = a.v, fa.out = a.out, fa.lse = a.lse, fa.attn_mask = a.attn_mask;
   fa.causal = a.causal, fa.scale = a.scale, fa.dropout_p = a.dropout_p, fa.seed = a.seed;
   fa.enable_gqa = a.enable_gqa, fa.layout = a.layout;
+  fa.window_left = a.window_left, fa.window_right = a.window_right, fa.softcap = a.softcap;
+  fa.alibi_slopes = a.alibi_slopes, fa.sinks = a.sinks;
   AttentionBackwardParams p{};
   p.fwd = detail::attention_params(fa);  // every forward check, in the forward's words
 
@@ -62,18 +65,32 @@ void attention_backward(const AttentionBackwardArgs& a) {
     }
     if (l.dtype != DType::float32) fail("dlse must be float32, got ", dtype_name(l.dtype));
   }
-  const std::pair<const TensorView*, const char*> grads[] = {{&a.dq, "dq"}, {&a.dk, "dk"}, {&a.dv, "dv"}};
-  for (const auto& [g, name] : grads) detail::check_writable_layout(*g, name);
-  const std::pair<const TensorView*, const char*> inputs[] = {
-      {&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.out, "out"}, {&a.lse, "lse"}, {&a.dout, "dout"}};
-  for (const auto& [g, name] : grads) {
-    for (const auto& [input, input_name] : inputs) detail::check_no_overlap(*g, name, *input, input_name);
-    if (a.attn_mask) detail::check_no_overlap(*g, name, *a.attn_mask, "attn_mask");
-    if (a.dlse) detail::check_no_overlap(*g, name, *a.dlse, "dlse");
+  if (a.sinks && !a.dsinks) fail("dsinks must be given with sinks (float32 [", p.fwd.Hq, "]), got None");
+  if (!a.sinks && a.dsinks) fail("dsinks must be None without sinks, got a tensor");
+  if (a.dsinks) {
+    const TensorView& s = *a.dsinks;
+    if (s.dtype != DType::float32 || s.rank != 1 || s.shape[0] != p.fwd.Hq) {
+      fail("dsinks must be float32 of shape [", p.fwd.Hq, "] (sinks' shape), got ", dtype_name(s.dtype),
+           " of shape ", s.shape_str());
+    }
   }
-  detail::check_no_overlap(a.dq, "dq", a.dk, "dk");
-  detail::check_no_overlap(a.dq, "dq", a.dv, "dv");
-  detail::check_no_overlap(a.dk, "dk", a.dv, "dv");
+  std::vector<std::pair<const TensorView*, const char*>> grads = {{&a.dq, "dq"}, {&a.dk, "dk"}, {&a.dv, "dv"}};
+  if (a.dsinks) grads.push_back({&*a.dsinks, "dsinks"});
+  for (const auto& [g, name] : grads) detail::check_writable_layout(*g, name);
+  std::vector<std::pair<const TensorView*, const char*>> inputs = {
+      {&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.out, "out"}, {&a.lse, "lse"}, {&a.dout, "dout"}};
+  if (a.attn_mask) inputs.push_back({&*a.attn_mask, "attn_mask"});
+  if (a.dlse) inputs.push_back({&*a.dlse, "dlse"});
+  if (a.alibi_slopes) inputs.push_back({&*a.alibi_slopes, "alibi_slopes"});
+  if (a.sinks) inputs.push_back({&*a.sinks, "sinks"});
+  for (size_t g = 0; g < grads.size(); ++g) {
+    for (const auto& [input, input_name] : inputs) {
+      detail::check_no_overlap(*grads[g].first, grads[g].second, *input, input_name);
+    }
+    for (size_t other = g + 1; other < grads.size(); ++other) {
+      detail::check_no_overlap(*grads[g].first, grads[g].second, *grads[other].first, grads[other].second);
+    }
+  }
 
   p.dout = a.dout.data, p.dq = a.dq.data, p.dk = a.dk.data, p.dv = a.dv.data;
   bhsd_strides(a.dout, a.layout, p.dout_stride);
@@ -84,8 +101,12 @@ void attention_backward(const AttentionBackwardArgs& a) {
     p.dlse = static_cast<const float*>(a.dlse->data);
     for (int d = 0; d < 3; ++d) p.dlse_stride[d] = a.dlse->strides[d];
   }
+  if (a.dsinks) p.dsinks = static_cast<float*>(a.dsinks->data), p.dsinks_stride = a.dsinks->strides[0];
   const AttentionParams& f = p.fwd;
-  if (f.B == 0 || (f.Hq == 0 && f.Hkv == 0)) return;  // nothing to write
+  if (f.B == 0 || (f.Hq == 0 && f.Hkv == 0)) {  // nothing to write but the sinks' zero gradient
+    for (int64_t h = 0; p.dsinks && h < f.Hq; ++h) p.dsinks[h * p.dsinks_stride] = 0.0f;
+    return;
+  }
   detail::kernels().attention_bwd(p);
 }
 

@@ -478,3 +478,231 @@ def test_torch_compile_training_step(rng):
     step(q, k, v).backward()
     for a, x, name in zip(compiled, (q, k, v), ("dq", "dk", "dv")):
         assert_bits_equal(a, x.grad, name)
+
+
+# ---------------------------------------------------------------------------------------
+# Score modifiers in the backward: window, soft-cap, ALiBi, sinks (with dsinks), against
+# torch float64 autograd of the modifiers' reference written here (reference.py's spec).
+# dsinks is checked with the gradients' tolerance, scaled by its own largest |ref|.
+# ---------------------------------------------------------------------------------------
+
+def grad_ref_mods(q, k, v, dout, attn_mask=None, causal=False, scale=None, enable_gqa=False,
+                  window=None, softcap=None, alibi_slopes=None, sinks=None, dlse=None, keep=None,
+                  dropout_p=0.0, seed=None):
+    """(dq, dk, dv[, dsinks]) float64 by torch autograd in float64 of out·dout (+ lse·dlse)."""
+    t = [torch.from_numpy(to_f64(x)).requires_grad_() for x in (q, k, v)]
+    qq, kk, vv = t
+    B, Hq, Sq, D = qq.shape
+    Hkv, Skv = kk.shape[1], kk.shape[2]
+    group = Hq // Hkv
+    kk, vv = kk.repeat_interleave(group, 1), vv.repeat_interleave(group, 1)
+    s = qq @ kk.transpose(-1, -2) * (scale if scale is not None else D ** -0.5)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    i, j = torch.arange(Sq)[:, None], torch.arange(Skv)[None, :]
+    top_left = causal is True or causal == "top_left"
+    a = i if top_left else i + (Skv - Sq)
+    allowed = torch.ones(B, Hq, Sq, Skv, dtype=torch.bool)
+    if causal:
+        allowed = allowed & (j <= a)
+    if window is not None:
+        if window[0] >= 0:
+            allowed = allowed & (j >= a - window[0])
+        if window[1] >= 0:
+            allowed = allowed & (j <= a + window[1])
+    if alibi_slopes is not None:
+        slopes = torch.from_numpy(to_f64(alibi_slopes)).reshape(-1, Hq).expand(B, Hq)
+        s = s - slopes[:, :, None, None] * (a - j).abs()
+    if attn_mask is not None:
+        m = torch.from_numpy(to_f64(attn_mask))
+        if m.dtype == torch.bool:
+            allowed = allowed & m
+        else:
+            s = s + m
+    s = s.masked_fill(~allowed, -torch.inf)
+    mx = s.detach().amax(-1, keepdim=True)
+    live = torch.isfinite(mx)
+    mx0 = torch.where(live, mx, torch.zeros_like(mx))
+    e = torch.exp(s - mx0)
+    denom = e.sum(-1, keepdim=True)
+    lse = torch.log(torch.where(live, denom, torch.ones_like(denom))) + mx0
+    sk = None
+    if sinks is not None:
+        sk = torch.from_numpy(to_f64(sinks)).requires_grad_()
+        denom = denom + torch.where(live, torch.exp(sk[None, :, None, None] - mx0), torch.zeros_like(mx0))
+    p = e / torch.where(denom > 0, denom, torch.ones_like(denom))
+    if keep is not None:
+        p = p * torch.from_numpy(keep) / (1.0 - dropout_p)
+    out = p @ vv
+    loss = (out * torch.from_numpy(to_f64(dout))).sum()
+    if dlse is not None:
+        loss = loss + torch.where(live[..., 0], lse[..., 0], 0.0).mul(torch.from_numpy(to_f64(dlse))).sum()
+    loss.backward()
+    grads = [x.grad.numpy() for x in t]
+    return grads + ([sk.grad.numpy()] if sk is not None else [])
+
+
+def random_mods(rng, Hq, B):
+    """A random combination of the four modifiers (each present with probability ~1/2)."""
+    mods = {}
+    if rng.random() < 0.5:
+        mods["window"] = (int(rng.choice([-1, 0, 5, 40])), int(rng.choice([-1, 0, 7, 300])))
+    if rng.random() < 0.5:
+        mods["softcap"] = float(rng.choice([0.5, 3.0, 30.0]))
+    if rng.random() < 0.5:
+        shape = (Hq,) if rng.random() < 0.5 else (B, Hq)
+        mods["alibi_slopes"] = (rng.random(shape) * 0.3).astype(np.float32)
+    if rng.random() < 0.6:
+        mods["sinks"] = (rng.standard_normal(Hq) * 2).astype(np.float32)
+    return mods
+
+
+def check_mod_grads(got, ref, dtype):
+    check_grads(got[:3], ref[:3], dtype)
+    if len(ref) > 3:
+        check_grads([got[3]], [ref[3]], dtype, names=("dsinks",))
+
+
+@pytest.mark.parametrize("seed", range(16))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_modifiers_random(dtype, seed):
+    rng = np.random.default_rng(1000 + seed)
+    B, Hkv = int(rng.integers(1, 3)), int(rng.choice([1, 2]))
+    Hq = Hkv * int(rng.choice([1, 3]))
+    Sq, Skv = int(rng.choice([1, 7, 96, 131])), int(rng.choice([5, 63, 193, 260]))
+    D, Dv = int(rng.choice([16, 33, 64])), int(rng.choice([8, 17, 64]))
+    causal = [False, True, "bottom_right"][seed % 3]
+    mods = random_mods(rng, Hq, B)
+    mask = None
+    if seed % 4 == 1:
+        mask = rng.random((Sq, Skv)) < 0.85
+    q, k, v = randn(rng, (B, Hq, Sq, D), dtype), randn(rng, (B, Hkv, Skv, D), dtype), randn(rng, (B, Hkv, Skv, Dv), dtype)
+    kw = dict(attn_mask=mask, causal=causal, enable_gqa=Hq != Hkv, **mods)
+    out, lse = forward(q, k, v, **kw)
+    dout = randn(rng, out.shape, dtype)
+    dlse = randn(rng, lse.shape) if seed % 2 else None
+    dq, dk, dv = poisoned_grads(q, k, v)
+    got = attnkit.attention_backward(q, k, v, out, lse, dout, dlse=dlse, dq=dq, dk=dk, dv=dv, **kw)
+    assert len(got) == (4 if "sinks" in mods else 3)
+    ref = grad_ref_mods(q, k, v, dout, dlse=dlse, **kw)
+    check_mod_grads(got, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_modifiers_every_isa(isa, dtype):
+    rng = np.random.default_rng(7)
+    q, k, v = randn(rng, (1, 4, 70, 32), dtype), randn(rng, (1, 2, 200, 32), dtype), randn(rng, (1, 2, 200, 16), dtype)
+    kw = dict(causal="bottom_right", enable_gqa=True, window=(50, -1), softcap=2.0,
+              alibi_slopes=np.array([0.1, 0.0, 0.3, 0.05], np.float32), sinks=np.array([0.5, -1, 2, 0], np.float32))
+    out, lse = forward(q, k, v, **kw)
+    dout = randn(rng, out.shape, dtype)
+    check_mod_grads(attnkit.attention_backward(q, k, v, out, lse, dout, **kw),
+                    grad_ref_mods(q, k, v, dout, **kw), dtype)
+
+
+def test_sink_gradient_matches_finite_differences(rng):
+    """dsinks against central differences of attnkit's own forward (float64 loss)."""
+    q, k, v = randn(rng, (2, 3, 9, 8)), randn(rng, (2, 3, 11, 8)), randn(rng, (2, 3, 11, 4))
+    sinks = np.array([0.3, -0.5, 1.5], np.float32)
+    out, lse = forward(q, k, v, causal=True, sinks=sinks)
+    dout = randn(rng, out.shape)
+    dsinks = attnkit.attention_backward(q, k, v, out, lse, dout, causal=True, sinks=sinks)[3]
+    eps = 1e-2
+    for h in range(3):
+        def f(delta):
+            s = sinks.copy()
+            s[h] += delta
+            return float((attnkit.attention(q, k, v, causal=True, sinks=s).astype(np.float64) * dout).sum())
+        fd = (f(eps) - f(-eps)) / (2 * eps)
+        assert abs(dsinks[h] - fd) < 2e-3 * (1 + abs(fd)), (h, dsinks[h], fd)
+
+
+def test_modifiers_bitwise_across_threads(rng, restore_runtime):
+    q, k, v = randn(rng, (1, 4, 300, 32), "bfloat16"), randn(rng, (1, 1, 300, 32), "bfloat16"), randn(rng, (1, 1, 300, 32), "bfloat16")
+    kw = dict(causal=True, enable_gqa=True, window=(100, -1), softcap=5.0, sinks=np.ones(4, np.float32))
+    out, lse = forward(q, k, v, **kw)
+    dout = randn(rng, out.shape, "bfloat16")
+    runs = []
+    for threads in (1, 2, 3):
+        attnkit.set_num_threads(threads)
+        runs.append(attnkit.attention_backward(q, k, v, out, lse, dout, **kw))
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert_bits_equal(a, b)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("dsinks_shape", r"dsinks must be float32 of shape \[2\] \(sinks' shape\), got float32 of shape \[3\]"),
+    ("dsinks_dtype", r"dsinks must be float32 of shape \[2\]"),
+    ("dsinks_without_sinks", r"dsinks must be None without sinks"),
+    ("dsinks_aliases_sinks", r"dsinks must not alias sinks"),
+    ("softcap", r"softcap must be a finite number > 0"),
+    ("window", r"window left must be -1 \(unbounded\) or >= 0, got -2"),
+])
+def test_modifier_errors(rng, case, match):
+    q, k, v, out, lse, dout = _err_inputs(rng)
+    sinks = np.zeros(2, np.float32)
+    kw = dict(sinks=sinks)
+    if case == "dsinks_shape":
+        kw["dsinks"] = np.zeros(3, np.float32)
+    elif case == "dsinks_dtype":
+        kw["dsinks"] = np.zeros(2, np.float16)
+    elif case == "dsinks_without_sinks":
+        kw = dict(dsinks=np.zeros(2, np.float32))
+    elif case == "dsinks_aliases_sinks":
+        kw["dsinks"] = sinks
+    elif case == "softcap":
+        kw["softcap"] = -1.0
+    elif case == "window":
+        kw["window"] = (-2, 0)
+    with pytest.raises(ValueError, match=match):
+        attnkit.attention_backward(q, k, v, out, lse, dout, **kw)
+
+
+def test_autograd_modifiers_and_sink_gradient(rng):
+    """attnkit.attention under autograd with every modifier: q, k, v and the sinks get
+    gradients; ALiBi slopes that require grad are refused."""
+    q, k, v = _leaves(rng, [(2, 4, 21, 16), (2, 2, 77, 16), (2, 2, 77, 8)])
+    sinks = torch.from_numpy(randn(rng, (4,))).requires_grad_()
+    slopes = torch.tensor([0.1, 0.2, 0.0, 0.05])
+    mods = dict(window=(30, 4), softcap=4.0, alibi_slopes=slopes, sinks=sinks)
+    out = attnkit.attention(q, k, v, enable_gqa=True, **mods)
+    dout = torch.from_numpy(randn(rng, tuple(out.shape)))
+    out.backward(dout)
+    ref = grad_ref_mods(q.detach(), k.detach(), v.detach(), dout, enable_gqa=True, window=(30, 4), softcap=4.0,
+                        alibi_slopes=slopes.numpy(), sinks=sinks.detach().numpy())
+    check_mod_grads([x.grad for x in (q, k, v, sinks)], ref, "float32")
+    # sinks alone requiring grad still get their gradient
+    sinks.grad = None
+    attnkit.attention(q.detach(), k.detach(), v.detach(), enable_gqa=True, sinks=sinks).sum().backward()
+    assert sinks.grad is not None and torch.isfinite(sinks.grad).all()
+    with pytest.raises(ValueError, match="no gradient for alibi_slopes"):
+        attnkit.attention(q, k, v, enable_gqa=True, alibi_slopes=slopes.clone().requires_grad_())
+
+
+def test_opcheck_modifiers(rng):
+    q, k, v = _leaves(rng, [(1, 4, 9, 16), (1, 2, 13, 16), (1, 2, 13, 8)])
+    sinks = torch.from_numpy(randn(rng, (4,))).requires_grad_()
+    slopes = torch.tensor([0.1, 0.2, 0.0, 0.05])
+    args = (q, k, v, None, 2, None, 0.0, None, True, "BHSD", 3, 2, 5.0, slopes, sinks)
+    torch.library.opcheck(torch.ops.attnkit.attention.default, args)
+    out, lse = torch.ops.attnkit.attention(*args)
+    bargs = (q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), torch.randn(out.shape),
+             torch.randn(lse.shape), None, 2, None, 0.0, None, True, "BHSD", 3, 2, 5.0, slopes, sinks.detach())
+    torch.library.opcheck(torch.ops.attnkit.attention_backward.default, bargs)
+
+
+def test_modifiers_with_dropout(rng):
+    """Dropout regenerated under the soft-cap, a window and sinks (the keep mask read back
+    from the forward with v = identity)."""
+    B, Hq, Hkv, Sq, Skv = 2, 4, 2, 40, 210
+    q, k, v = randn(rng, (B, Hq, Sq, 16)), randn(rng, (B, Hkv, Skv, 16)), randn(rng, (B, Hkv, Skv, 8))
+    kw = dict(causal="bottom_right", enable_gqa=True, window=(120, -1), softcap=3.0,
+              sinks=np.array([0.5, -1.0, 2.0, 0.0], np.float32), dropout_p=0.3, seed=77)
+    eye = np.broadcast_to(np.eye(Skv, dtype=np.float32), (B, Hkv, Skv, Skv)).copy()
+    keep = attnkit.attention(q, k, eye, **kw) != 0
+    out, lse = forward(q, k, v, **kw)
+    dout = randn(rng, out.shape)
+    got = attnkit.attention_backward(q, k, v, out, lse, dout, **kw)
+    ref = grad_ref_mods(q, k, v, dout, keep=keep, **kw)
+    check_mod_grads(got, ref, "float32")

@@ -174,14 +174,61 @@ def test_float64_falls_back_once(rng):
     assert_bits_equal(second, want)
 
 
-def test_requires_grad_falls_back_and_backward_works(rng):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shapes,kw", [
+    (((2, 4, 37, 16), (2, 2, 53, 16), (2, 2, 53, 8)), dict(is_causal=True, enable_gqa=True)),
+    (((3, 1, 4, 9, 8), (1, 4, 11, 8), (1, 4, 11, 8)), dict(scale=0.3)),   # broadcast batch dims
+    (((1, 9, 8), (2, 11, 8), (2, 11, 8)), dict(attn_mask="bool")),        # one query head over two kv heads
+    (((2, 3, 12, 8), (2, 1, 12, 8), (2, 1, 12, 8)), dict(attn_mask="float")),  # one kv head broadcast
+])
+def test_requires_grad_runs_attnkits_backward(rng, dtype, shapes, kw):
+    """Grad mode with inputs that require grad: attnkit's backward (no fallback warning),
+    the gradients against torch float64 autograd of torch's own SDPA (the math kernel)."""
+    tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    q, k, v = (rand(rng, s).to(tdt) for s in shapes)
+    kw = dict(kw)
+    if kw.get("attn_mask") == "bool":
+        kw["attn_mask"] = torch.from_numpy(rng.random((q.shape[-2], k.shape[-2])) < 0.8)
+    elif kw.get("attn_mask") == "float":
+        kw["attn_mask"] = torch.from_numpy(rng.standard_normal((q.shape[-2], k.shape[-2])).astype(np.float32))
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback
+        out = ak.scaled_dot_product_attention(*leaves, **kw)
+    dout = rand(rng, tuple(out.shape)).to(tdt)
+    out.backward(dout)
+    ref_leaves = [x.detach().double().requires_grad_(True) for x in (q, k, v)]
+    ref_kw = dict(kw)
+    if isinstance(ref_kw.get("attn_mask"), torch.Tensor) and ref_kw["attn_mask"].is_floating_point():
+        ref_kw["attn_mask"] = ref_kw["attn_mask"].double()
+    F.scaled_dot_product_attention(*ref_leaves, **ref_kw).backward(dout.double())
+    atol, rtol = {"float32": (2e-5, 1e-4), "bfloat16": (1.6e-2, 2e-2)}[dtype]
+    top = max(float(x.grad.abs().max()) for x in ref_leaves)
+    for got, ref in zip(leaves, ref_leaves):
+        assert got.grad.dtype == tdt and got.grad.shape == got.shape
+        assert_close(got.grad.double(), ref.grad, atol * top, rtol)
+
+
+def test_requires_grad_dropout_backward_uses_the_forwards_mask(rng):
+    """Dropout under grad: the keep mask regenerated in the backward is the forward's (v =
+    identity makes out the dropped probabilities, so dv = Pᵀ·dout shows the same zeros)."""
+    q, k = rand(rng, (1, 2, 6, 8)), rand(rng, (1, 2, 6, 8))
+    v = torch.eye(6).expand(1, 2, 6, 6).clone().requires_grad_(True)
+    torch.manual_seed(3)
+    out = ak.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    dout = torch.zeros_like(out)
+    dout[..., 2, :] = 1.0  # dv[j] = P_dropped[2, j]
+    out.backward(dout)
+    assert torch.equal(v.grad[..., 0] != 0, out.detach()[..., 2, :] != 0)
+
+
+def test_mask_requiring_grad_falls_back(rng):
     q, k, v = (rand(rng, (1, 2, 5, 8)).requires_grad_(True) for _ in range(3))
-    out, _ = _fallback("inputs require grad and attnkit has no backward yet",
-                       lambda: ak.scaled_dot_product_attention(q, k, v))
+    mask = torch.zeros(5, 5, requires_grad=True)
+    out, _ = _fallback("attn_mask requires grad and attnkit computes no mask gradient",
+                       lambda: ak.scaled_dot_product_attention(q, k, v, attn_mask=mask))
     out.sum().backward()
-    assert q.grad is not None and torch.isfinite(q.grad).all()
-    with torch.no_grad():  # grad mode off: attnkit computes
-        assert_close(ak.scaled_dot_product_attention(q, k, v), sdpa_ref(q, k, v)[0], *tol("float32", 0))
+    assert mask.grad is not None and q.grad is not None
 
 
 def test_large_head_dim_and_mask_dtype_fall_back(rng):

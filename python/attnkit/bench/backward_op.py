@@ -1,0 +1,207 @@
+"""``--op backward``: attnkit.attention_backward (dq, dk, dv) next to attnkit's forward and
+torch's CPU SDPA backward, in one run (interleaved, so drift hits all alike).
+
+Shapes: attention's (A, A', V or a spec; default A, fp32 and bf16). Contenders: attnkit's
+backward (role attnkit, what the ratios are against), attnkit's forward on the same inputs
+(reference role: its ratio is forward time / backward time, so 1 / ratio is "backward = N x
+forward"), and torch SDPA's backward (peer: only ``out.backward(dout)`` is timed, on a graph
+built once per input set with retain_graph, the forward untimed). Verification: every
+gradient of kv head Hkv-1 of batch 0 (dk, dv, and dq of its query heads, all rows) against a
+float64 reference; the forward against float64 attention on those heads. GFLOP/s count the
+backward's useful FLOPs, 2 · B · Hq · (3·D + 2·Dv) · pairs (five products), for every row:
+the forward row's GFLOP/s and % peak are therefore not its own (its ratio is what counts).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .attention_op import AttentionOp, AttnInputs, _as_f32, _check
+from .registry import Check, Contender, Counts, optional_torch, register
+
+# |got - ref| <= atol · max|ref| + rtol · |ref| per gradient (as tests/python/test_attention_backward.py)
+GRAD_TOL = {"float32": (2e-5, 1e-4), "float16": (2e-3, 4e-3), "bfloat16": (1.6e-2, 2e-2)}
+PEER_FACTOR = 2.0  # torch vs attnkit: both sides carry rounding error
+
+
+class BackwardInputs(AttnInputs):
+    """q, k, v, the forward's out and lse (attnkit's, untimed), dout; a torch graph for the peer."""
+
+    def __init__(self, q, k, v, dout, causal, gqa):
+        super().__init__(q, k, v)
+        import attnkit
+
+        self.dout = dout
+        self.out, self.lse = attnkit.attention(q, k, v, causal=causal, enable_gqa=gqa, return_lse=True)
+        self.graph = None  # (leaves, out, dout) of torch SDPA, built on first use
+
+    def torch_graph(self, causal, gqa):
+        if self.graph is None:
+            torch = optional_torch()
+            leaves = [x.clone().requires_grad_() for x in self.torch()]
+            out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=gqa)
+            dout = torch.from_numpy(self.dout.view(np.uint16)).view(torch.bfloat16) if \
+                self.dout.dtype.itemsize == 2 and self.dout.dtype != np.float16 else torch.from_numpy(self.dout)
+            self.graph = (leaves, out, dout)
+        return self.graph
+
+
+def backward_reference(s, inputs, b, kvh):
+    """float64 (dq [group, Sq, D], dk [Skv, D], dv [Skv, Dv], out [group, Sq, Dv], magnitude)
+    of batch b, kv head kvh (top-left causal as the op's causal=True, scale 1/sqrt(D))."""
+    group, scale = s.Hq // s.Hkv, 1.0 / math.sqrt(s.D)
+    k = inputs.k[b, kvh].astype(np.float64)
+    v = inputs.v[b, kvh].astype(np.float64)
+    dk, dv = np.zeros_like(k), np.zeros_like(v)
+    dq = np.empty((group, s.Sq, s.D))
+    out = np.empty((group, s.Sq, s.Dv))
+    magnitude = np.empty_like(out)
+    visible = np.arange(s.Skv)[None, :] <= np.arange(s.Sq)[:, None] if s.causal else np.ones((s.Sq, s.Skv), bool)
+    for g in range(group):
+        h = kvh * group + g
+        q = inputs.q[b, h].astype(np.float64)
+        do = inputs.dout[b, h].astype(np.float64)
+        sc = np.where(visible, (q @ k.T) * scale, -np.inf)
+        mx = np.max(sc, axis=1, keepdims=True)
+        live = np.isfinite(mx)
+        e = np.exp(sc - np.where(live, mx, 0.0))
+        p = e / np.where(live, e.sum(axis=1, keepdims=True), 1.0)
+        out[g], magnitude[g] = p @ v, p @ np.abs(v)
+        dv += p.T @ do
+        dp = do @ v.T
+        ds = p * (dp - np.sum(do * out[g], axis=1, keepdims=True))
+        dq[g] = ds @ k * scale
+        dk += ds.T @ q * scale
+    return dq, dk, dv, out, magnitude
+
+
+def _grads_of(out):
+    """(dq, dk, dv) as float32 numpy from attnkit's numpy triple or torch's leaf grads."""
+    return [_as_f32(g) for g in out]
+
+
+def _check_grads(got, ref, dtype, factor=1.0) -> Check:
+    atol, rtol = GRAD_TOL[dtype]
+    worst = 0.0
+    for g, r, name in zip(got, ref, ("dq", "dk", "dv")):
+        if g.shape != r.shape:
+            return Check(False, math.inf, f"{name}: shape {g.shape} != expected {r.shape}")
+        if not np.all(np.isfinite(g)):
+            return Check(False, math.inf, f"{name}: {int(np.sum(~np.isfinite(g)))} non-finite values")
+        top = max(float(np.max(np.abs(r))), 1e-30)
+        diff = np.abs(g.astype(np.float64) - r)
+        bad = diff > factor * (atol * top + rtol * np.abs(r))
+        worst = max(worst, float(np.max(diff)) / top)
+        if np.any(bad):
+            idx = np.unravel_index(int(np.argmax(diff)), diff.shape)
+            return Check(False, worst, f"{name}: {int(bad.sum())}/{bad.size} values out of tolerance; worst at "
+                                       f"{tuple(int(i) for i in idx)}: {float(g[idx]):.6g} vs {float(r[idx]):.6g}")
+    return Check(True, worst)
+
+
+class BackwardOp(AttentionOp):
+    name = "backward"
+    description = "attention backward (attnkit.attention_backward vs its forward and torch SDPA's backward)"
+    default_shapes = ("A",)
+
+    def peak_of(self, row):
+        # bf16 on avx512bf16: attnkit's five products (and its forward's two) run on
+        # vdpbf16ps, as torch's oneDNN gemms do.
+        import attnkit
+
+        from .machine import INSTRUCTION_PEAK
+        if row.case.dtype == "bfloat16" and attnkit.get_isa() == "avx512bf16":
+            return "bf16 dot", INSTRUCTION_PEAK["bf16 dot"]
+        return "fp32 FMA", 1.0
+
+    def counts(self, case):
+        base = super().counts(case)
+        s = case.shape
+        pairs = base.extra["pairs"]
+        return Counts(flops=2.0 * s.B * s.Hq * (3 * s.D + 2 * s.Dv) * pairs, extra={"pairs": pairs})
+
+    def input_bytes(self, case):
+        s = case.shape
+        return super().input_bytes(case) + 2 * s.B * s.Hq * s.Sq * s.Dv * np.dtype(self._np(case)).itemsize
+
+    @staticmethod
+    def _np(case):
+        from .registry import numpy_dtype
+        return numpy_dtype(case.dtype)
+
+    def make_inputs(self, case, rng):
+        x = super().make_inputs(case, rng)
+        s, dt = case.shape, self._np(case)
+        dout = rng.standard_normal((s.B, s.Hq, s.Sq, s.Dv), dtype=np.float32)
+        return BackwardInputs(x.q, x.k, x.v, dout if dt == np.float32 else dout.astype(dt), s.causal, s.gqa)
+
+    def reference(self, case, inputs, rng=None):
+        s = case.shape
+        kvh = s.Hkv - 1
+        dq, dk, dv, out, magnitude = backward_reference(s, inputs, 0, kvh)
+        return {"kvh": kvh, "grads": (dq, dk, dv), "out": out, "magnitude": magnitude}
+
+    def _subset(self, case, ref, grads):
+        group = case.shape.Hq // case.shape.Hkv
+        kvh = ref["kvh"]
+        dq, dk, dv = _grads_of(grads)
+        return dq[0, kvh * group:(kvh + 1) * group], dk[0, kvh], dv[0, kvh]
+
+    def verify(self, case, ref, out):
+        return _check_grads(self._subset(case, ref, out), ref["grads"], case.dtype)
+
+    def verify_forward(self, case, ref, out):
+        group = case.shape.Hq // case.shape.Hkv
+        got = _as_f32(out)[0, ref["kvh"] * group:(ref["kvh"] + 1) * group].astype(np.float64)
+        return _check(got, ref["out"], case.dtype, magnitude=ref["magnitude"])
+
+    def compare(self, case, out, attnkit_out):
+        got = _grads_of(out)
+        ref = [g.astype(np.float64) for g in _grads_of(attnkit_out)]
+        return _check_grads(got, ref, case.dtype, PEER_FACTOR)
+
+    def inject_error(self, case, ref, out):
+        dq = out[0].copy()
+        group = case.shape.Hq // case.shape.Hkv
+        dq[0, ref["kvh"] * group, -1, 0] = dq[0, ref["kvh"] * group, -1, 0] * -3 + 1
+        return (dq,) + tuple(out[1:])
+
+    def contenders(self, case):
+        import attnkit
+
+        s = case.shape
+        best = attnkit.get_isa()
+        notes = []
+
+        def run_backward(x):
+            return attnkit.attention_backward(x.q, x.k, x.v, x.out, x.lse, x.dout, causal=s.causal,
+                                              enable_gqa=s.gqa)
+
+        def run_forward(x):
+            return attnkit.attention(x.q, x.k, x.v, causal=s.causal, enable_gqa=s.gqa)
+
+        out = [Contender("attnkit", "attnkit", run_backward, prepare=lambda: attnkit.set_isa(best),
+                         set_threads=attnkit.set_num_threads, note=f"backward, isa {best}"),
+               Contender("attnkit-forward", "reference", run_forward, prepare=lambda: attnkit.set_isa(best),
+                         set_threads=attnkit.set_num_threads, note="forward: ratio = forward / backward",
+                         verify=lambda ref, got: self.verify_forward(case, ref, got), compare_to="")]
+        torch = optional_torch()
+        if torch is None:
+            notes.append("torch-sdpa-backward: skipped (torch is not importable)")
+            return out, notes
+
+        def run_torch(x):
+            leaves, o, dout = x.torch_graph(s.causal, s.gqa)
+            for leaf in leaves:
+                leaf.grad = None
+            o.backward(dout, retain_graph=True)
+            return [leaf.grad for leaf in leaves]
+
+        out.append(Contender("torch-sdpa-backward", "peer", run_torch, set_threads=torch.set_num_threads,
+                             note=f"torch {torch.__version__}, out.backward only"))
+        return out, notes
+
+
+register(BackwardOp())

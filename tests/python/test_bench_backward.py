@@ -1,0 +1,30 @@
+"""python -m attnkit.bench --op backward: every contender (attnkit's backward, its forward,
+torch SDPA's backward) verified before timing, and a wrong gradient reported as FAILED."""
+
+import subprocess
+import sys
+
+import pytest
+
+
+def run_bench(*args):
+    return subprocess.run([sys.executable, "-m", "attnkit.bench", "--op", "backward", "--quick", "--no-progress",
+                           "--threads", "1", "--repeats", "1", "--budget", "1", *args],
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_backward_rows_verify(dtype):
+    res = run_bench("--shape", "B=1,Hq=4,Hkv=2,S=300,D=64,causal", "--dtype", dtype)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "FAILED" not in res.stdout
+    names = [line.split()[1] for line in res.stdout.splitlines() if line.strip().startswith("1 ")]
+    assert {"attnkit", "attnkit-forward"} <= set(names), res.stdout
+    pytest.importorskip("torch")
+    assert "torch-sdpa-backward" in names, res.stdout
+
+
+def test_wrong_gradient_is_reported():
+    res = run_bench("--shape", "B=1,Hq=4,Hkv=2,S=300,D=64,causal", "--dtype", "float32", "--inject-error")
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "FAILED" in res.stdout and "dq" in res.stdout
