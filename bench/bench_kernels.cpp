@@ -11,9 +11,10 @@
 //                                   and V already paired; avx512bf16
 //   online_softmax_tile             128 keys × 48 rows of transposed scores
 //   attention_tile/fp32             gemm_qk (fp32) + softmax + rescale + gemm_pv (fp32)
-//   attention_tile/bf16             gemm_qk (bf16) + scale + softmax + rescale + P and V
-//                                   paired (pair_rows_bf16, interleave_bf16_rows) + gemm_pv
-//                                   (bf16), the bf16-input path; avx512bf16
+//   attention_tile/bf16             gemm_qk (bf16) + softmax with the scale and P's bf16
+//                                   pairs (online_softmax_tile_bf16_pairs) + rescale + gemm_pv
+//                                   (bf16) on V pairs prepared once per call, the bf16-input
+//                                   path; avx512bf16
 // Decode: one block of kLanes keys for 4 query rows (scores row-major, keys along the lanes);
 // registered where the op takes that path for 4 rows (2·rows <= kLanes: not on generic).
 //   decode/dot_key_block/fp32       S = Q · Kᵀ    4 rows × kLanes keys × 128, K in place
@@ -22,8 +23,9 @@
 //   decode/gemm_pv/fp32/<row>       O += P · V    m=4 n=128 k=kLanes, P row-major (lda=kLanes,
 //                                   a_step=1), accumulating
 //   decode/gemm_pv/split_bf16/<row> the same with V rows in bf16, read in place (split order)
-// <wide> is the register tile kWideRows × kWideVecs, <tall> kTallRows × kTallVecs, <row>
-// kRowRows × kRowVecs (split bf16: rounded down to whole pairs of vectors), as the op uses them.
+// <wide> is the register tile kWideRows × kWideVecs (bf16 pairs: kDotWideRows × kDotWideVecs),
+// <tall> kTallRows × kTallVecs, <row> kRowRows × kRowVecs (split bf16: rounded down to whole
+// pairs of vectors), as the op uses them.
 // Data: the prefill tile's operands (64 KB of fp32 K, 64 KB of V) stay cache-resident, as a
 // tile does in the op while every row of the task uses it. The decode K and V span 64 blocks
 // read in rotation (512 KB of fp32 K on AVX-512): out of L1 but L2-resident, so this is not a
@@ -210,8 +212,8 @@ void bm_gemm_qk_bf16(benchmark::State& state, double peak_gflops) {
   const Buffer<uint16_t> k = random_bf16(kKeys * kD, 13), qt = random_bf16(kD * kRows, 14);
   Buffer<float> st = random_buffer(kKeys * kRows, 15);
   time_flops(state, 2.0 * kKeys * kRows * kD, peak_gflops, [&] {
-    gemm_bf16<kWideRows, kWideVecs>(kKeys, kRows, kPairs, as_pairs(k), kPairs, 1, as_pairs(qt), kRows, st.get(),
-                                    kRows, false);
+    gemm_bf16<kDotWideRows, kDotWideVecs>(kKeys, kRows, kPairs, as_pairs(k), kPairs, 1, as_pairs(qt), kRows,
+                                          st.get(), kRows, false);
     benchmark::DoNotOptimize(st.get());
     benchmark::ClobberMemory();
   });
@@ -231,28 +233,26 @@ void bm_gemm_pv_bf16(benchmark::State& state, double peak_gflops) {
 }
 
 // One kv tile of the bf16-input path on this ISA (qk_bf16, pv_bf16): Sᵀ = K · Qᵀ on pairs,
-// Sᵀ *= scale, softmax, rescale, Pᵀ paired in place, this tile's V rows interleaved into
-// key pairs, O += P · V on pairs.
+// the softmax scaling Sᵀ and pairing P in place, rescale, O += P · V on pairs (V's key
+// pairs are prepared once per call, outside the tile).
 void bm_attention_tile_bf16(benchmark::State& state, double peak_gflops) {
   const Buffer<uint16_t> k = random_bf16(kKeys * kD, 16), qt = random_bf16(kD * kRows, 17),
                          v = random_bf16(kKeys * kDv, 18);
   Buffer<float> o = random_buffer(kRows * kDv, 19), st = random_buffer(kKeys * kRows, 20);
   const Buffer<float> v_pairs = random_buffer(kKeys / 2 * kDv, 21);  // as uint32_t pairs
   uint32_t* vp = reinterpret_cast<uint32_t*>(v_pairs.get());
+  for (int64_t jp = 0; jp < kKeys / 2; ++jp) {
+    const uint16_t* a = v.get() + 2 * jp * kDv;
+    interleave_bf16_rows(a, a + kDv, 1, kDv, kDv, vp + jp * kDv);
+  }
   SoftmaxState sm(kRows);
-  const vfloat scale = vbroadcast(kScoreScale);
   uint32_t* pp = reinterpret_cast<uint32_t*>(st.get());
   time_flops(state, 2.0 * kKeys * kRows * (kD + kDv), peak_gflops, [&] {
-    gemm_bf16<kWideRows, kWideVecs>(kKeys, kRows, kPairs, as_pairs(k), kPairs, 1, as_pairs(qt), kRows, st.get(),
-                                    kRows, false);
-    for (int64_t i = 0; i < kKeys * kRows; i += kLanes) vstore(st.get() + i, vload(st.get() + i) * scale);
-    online_softmax_tile(st.get(), kKeys, kRows, kRows, sm.m.get(), sm.l.get(), sm.alpha.get());
+    gemm_bf16<kDotWideRows, kDotWideVecs>(kKeys, kRows, kPairs, as_pairs(k), kPairs, 1, as_pairs(qt), kRows,
+                                          st.get(), kRows, false);
+    online_softmax_tile_bf16_pairs(st.get(), kKeys, kRows, kRows, kScoreScale, sm.m.get(), sm.l.get(),
+                                   sm.alpha.get());
     rescale_rows(o.get(), sm.alpha.get(), kRows);
-    pair_rows_bf16(st.get(), kKeys, kRows, pp);
-    for (int64_t jp = 0; jp < kKeys / 2; ++jp) {
-      const uint16_t* a = v.get() + 2 * jp * kDv;
-      interleave_bf16_rows(a, a + kDv, 1, kDv, kDv, vp + jp * kDv);
-    }
     gemm_bf16<kTallRows, kTallVecs>(kRows, kDv, kKeys / 2, pp, 1, kRows, vp, kDv, o.get(), kDv, true);
     benchmark::DoNotOptimize(o.get());
     benchmark::ClobberMemory();
@@ -355,7 +355,8 @@ void register_benchmarks(double peak_gflops) {
   };
   add("gemm_qk/fp32/" + wide + "/m128_n48_k128", bm_gemm_qk, peak_gflops);
 #if defined(ATTNKIT_ISA_avx512bf16)
-  add("gemm_qk/bf16/" + wide + "/m128_n48_kpairs64", bm_gemm_qk_bf16, peak_gflops);
+  add("gemm_qk/bf16/" + tile("wide", kDotWideRows, kDotWideVecs) + "/m128_n48_kpairs64", bm_gemm_qk_bf16,
+      peak_gflops);
 #endif
   add("gemm_pv/fp32/" + tall + "/m48_n128_k128", bm_gemm_pv<float>, peak_gflops);
   add("gemm_pv/split_bf16/" + tall_split + "/m48_n128_k128", bm_gemm_pv<uint16_t>, peak_gflops);

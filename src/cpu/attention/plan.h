@@ -82,6 +82,7 @@ struct Plan {
   bool bf16_dot;             // bf16 inputs on avx512bf16: K·Qᵀ with vdpbf16ps
   bool int8;                 // sage int8 mode: K·Qᵀ on int8 codes
   bool v_in_place;           // fp32 V rows with unit stride need no packing
+  bool v_pairs;              // bf16 V prepared as key pairs once per call (prepare_v_pairs)
   Mode tile;                 // row blocks of more rows
   Mode few[kLanes / 2 + 1];  // few[r]: row blocks of r rows, where key blocks pay
 
@@ -102,6 +103,9 @@ struct Plan {
     bf16_dot = kDotProducts && !int8 && p.dtype == DType::bfloat16 && p.kv_dtype == DType::bfloat16;
     v_in_place = p.kv_dtype == DType::float32 && p.v_stride[3] == 1 && p.Dv == dv_pad;
     tile = make_mode(p, rows, false);
+    // Dense calls whose kv heads serve more than one task's rows: else each V tile is
+    // interleaved into pairs about once anyway.
+    v_pairs = tile.pv_bf16 && !int8 && !p.block_table && !p.kv_begin && p.Sq * p.group > kRowTarget;
     for (int64_t r = 1; r <= kLanes / 2; ++r) few[r] = make_mode(p, r, !int8 && r <= kMaxDotRows);
     workspace_floats = d_pad * rows_pad        // Qᵀ (or Q rows), scaled
                        + rows_pad * dv_pad     // output accumulators

@@ -21,8 +21,10 @@ class AttentionTask {
   using EK = typename Elem<TK>::type;
 
  public:
-  AttentionTask(const AttentionParams& p, const Plan& plan, const QuantizedKeys* kq = nullptr)
-      : p_(p), plan_(plan), kq_(kq) {}
+  // v_pairs: bf16 V as key pairs (prepare_v_pairs) where plan.v_pairs, else null.
+  AttentionTask(const AttentionParams& p, const Plan& plan, const QuantizedKeys* kq = nullptr,
+                const uint32_t* v_pairs = nullptr)
+      : p_(p), plan_(plan), kq_(kq), v_pairs_(kq ? kq->v_pairs : v_pairs) {}
 
   // Row block `index` of the sequence it belongs to.
   RowBlock row_block(const Sequence& s, int64_t index) const {
@@ -196,7 +198,8 @@ class AttentionTask {
   // bf16 pairs for vdpbf16ps (bf16_pairs.h; empty on variants without it).
   void pack_qt_pairs(const RowBlock& rb, const Workspace& w) const;
   void qk_bf16(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t bc, const Workspace& w) const;
-  void pv_bf16(const RowBlock& rb, const KvRows<EK>& vrows, int64_t j0, int64_t bc, const Workspace& w) const;
+  void pv_bf16(const RowBlock& rb, const KvRows<EK>& vrows, int64_t j0, int64_t bc, bool p_paired,
+               const Workspace& w) const;
   void pack_q_row_pairs(const RowBlock& rb, const Workspace& w) const;
   void qk_rows_bf16(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t n, bool in_place,
                     float* s, int64_t lds, const Workspace& w) const;
@@ -222,6 +225,7 @@ class AttentionTask {
   const AttentionParams& p_;
   const Plan& plan_;
   const QuantizedKeys* kq_;  // sage int8 mode only
+  const uint32_t* v_pairs_;  // V as bf16 key pairs, [B][Hkv][ceil(Skv / 2)][dv_pad] (sage's or dense's), or null
 };
 
 }  // namespace attnkit::cpu::ATTNKIT_ISA::fwd

@@ -34,6 +34,10 @@ void AttentionTask<T, TK>::attend(const RowBlock& rb, int64_t begin, int64_t end
   for (int64_t r = 0; r < ld; ++r) w.m[r] = -INFINITY, w.l[r] = 0.0f;
 
   const KvRows<EK> krows = kv_rows(p_.k, p_.k_stride, rb), vrows = kv_rows(p_.v, p_.v_stride, rb);
+  // bf16 pairs with nothing between the scores and the softmax but -inf masks: the softmax
+  // applies the scale (masks commute with a positive one) and writes P as bf16 pairs.
+  const bool fused_pairs = plan_.bf16_dot && rb.mode->pv_bf16 && p_.softcap == 0.0f && !p_.alibi_slopes &&
+                           !p_.mask && p_.dropout_p == 0.0f && rb.scale > 0.0f && rb.scale < INFINITY;
   for (int64_t j0 = begin; j0 < end; j0 += kKvTile) {
     const int64_t bc = end - j0 < kKvTile ? end - j0 : kKvTile;
     if (plan_.int8) {  // Sᵀ = K · Qᵀ on int8 codes, dequantised
@@ -41,6 +45,7 @@ void AttentionTask<T, TK>::attend(const RowBlock& rb, int64_t begin, int64_t end
       fix_nonfinite_logits(rb, j0, bc, w);
     } else if (plan_.bf16_dot) {  // Sᵀ = K · Qᵀ on bf16 pairs, then the scale
       qk_bf16(rb, krows, j0, bc, w);
+      if (!fused_pairs) scale_row(w.st, bc * ld, rb.scale);
     } else if (rb.mode->k_in_place) {  // Sᵀ = K · Qᵀ, a gemm per run of rows at one stride
       krows.for_each_run(j0, bc, [&](const EK* k, int64_t first, int64_t n) {
         gemm<kWideRows, kWideVecs>(n, ld, p_.D, reinterpret_cast<const float*>(k), krows.stride, 1, w.qt, ld,
@@ -52,11 +57,17 @@ void AttentionTask<T, TK>::attend(const RowBlock& rb, int64_t begin, int64_t end
     }
     apply_score_mods(rb, j0, bc, scores, w);
     apply_masks(rb, j0, bc, scores);
+    if (fused_pairs) {
+      online_softmax_tile_bf16_pairs(w.st, bc, ld, ld, rb.scale, w.m, w.l, w.alpha);
+      rescale_output(rb, w);
+      pv_bf16(rb, vrows, j0, bc, true, w);
+      continue;
+    }
     online_softmax_tile(w.st, bc, ld, ld, w.m, w.l, w.alpha);
     rescale_output(rb, w);
     if (p_.dropout_p > 0.0f) apply_dropout(rb, j0, bc, scores);
     if (rb.mode->pv_bf16) {
-      pv_bf16(rb, vrows, j0, bc, w);
+      pv_bf16(rb, vrows, j0, bc, false, w);
     } else {
       accumulate_pv(rb, vrows, j0, bc, scores, w);
     }
