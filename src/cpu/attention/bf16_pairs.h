@@ -82,16 +82,29 @@ void AttentionTask<T, TK>::pv_bf16(const RowBlock& rb, const KvRows<EK>& vrows, 
         }
       }
     });
-    gemm_bf16<kTallRows, kTallVecs>(rb.rows, dv_pad, pairs, pp, 1, ld, vp, dv_pad, w.o, dv_pad, true);
+    pv_pairs(rb, pp, vp, pairs, w);
     return;
   }
   const int64_t head = rb.b * p_.Hkv + rb.kvh;
   const uint32_t* prepared = v_pairs_ + (head * ((p_.Skv + 1) / 2) + j0 / 2) * dv_pad;
   const int64_t full = bc / 2;  // pairs whose two keys are both in the tile
-  gemm_bf16<kTallRows, kTallVecs>(rb.rows, dv_pad, full, pp, 1, ld, prepared, dv_pad, w.o, dv_pad, true);
+  pv_pairs(rb, pp, prepared, full, w);
   if (bc % 2) {  // the last key alone: the pair's other key lies past the tile (mask, split)
     for (int64_t d = 0; d < dv_pad; ++d) vp[d] = prepared[full * dv_pad + d] & 0xFFFFu;
-    gemm_bf16<kTallRows, kTallVecs>(rb.rows, dv_pad, 1, pp + full * ld, 1, ld, vp, dv_pad, w.o, dv_pad, true);
+    pv_pairs(rb, pp + full * ld, vp, 1, w);
+  }
+}
+
+// O += P · V over `pairs` key pairs, P pairs [pairs][rows_pad], V pairs [pairs][dv_pad]: as
+// Oᵀ += Vᵀ · Pᵀ into w.ot where the tile loop accumulates Oᵀ (o_transposed), else O's tall tiles.
+template <DType T, DType TK>
+void AttentionTask<T, TK>::pv_pairs(const RowBlock& rb, const uint32_t* pp, const uint32_t* vp, int64_t pairs,
+                                    const Workspace& w) const {
+  const int64_t ld = plan_.rows_pad, dv_pad = plan_.dv_pad;
+  if (o_transposed(rb)) {
+    gemm_bf16<kDotWideRows, kDotWideVecs>(dv_pad, ld, pairs, vp, 1, dv_pad, pp, ld, w.ot, ld, true);
+  } else {
+    gemm_bf16<kTallRows, kTallVecs>(rb.rows, dv_pad, pairs, pp, 1, ld, vp, dv_pad, w.o, dv_pad, true);
   }
 }
 

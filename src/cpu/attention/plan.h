@@ -112,8 +112,9 @@ struct Plan {
                        + kKvTile * rows_pad    // Sᵀ, then Pᵀ
                        + kKvTile * d_pad       // K tile (when packed)
                        + kKvTile * dv_pad      // V tile (when packed)
-                       + 8 * rows_pad;         // running max, sum, rescale; int8 q scale, sum;
+                       + 8 * rows_pad          // running max, sum, rescale; int8 q scale, sum;
                                                // sage's row shift; ALiBi slope, distance
+                       + dv_pad * rows_pad;    // output accumulators transposed (tile loop)
     partial_floats = rows_pad * (dv_pad + 2);  // o, m, l of one split
   }
 
@@ -217,6 +218,7 @@ struct Workspace {
   float *qt, *o, *st, *k, *v, *m, *l, *alpha, *q_scale;
   int32_t* q_sum;
   float *shift, *slope, *dist;  // per row: sage's q·mean (soft-cap only); ALiBi's slope, a - j0
+  float* ot;                    // Oᵀ [dv_pad][rows_pad] (AttentionTask::o_transposed)
   Workspace(float* base, const Plan& plan, const AttentionParams& p) {
     qt = base;
     o = qt + plan.d_pad * plan.rows_pad;
@@ -231,6 +233,7 @@ struct Workspace {
     shift = reinterpret_cast<float*>(q_sum + plan.rows_pad);
     slope = shift + plan.rows_pad;
     dist = slope + plan.rows_pad;
+    ot = dist + plan.rows_pad;
   }
 };
 

@@ -181,6 +181,7 @@ class AttentionTask {
 
   // The tile loop (tile_loop.h): Sᵀ = K · Qᵀ per tile of kKvTile keys, rows along the lanes.
   void attend(const RowBlock& rb, int64_t begin, int64_t end, const Workspace& w) const;
+  bool o_transposed(const RowBlock& rb) const;
   void rescale_output(const RowBlock& rb, const Workspace& w) const;
   void accumulate_pv(const RowBlock& rb, const KvRows<EK>& vrows, int64_t j0, int64_t bc, const Scores& p,
                      const Workspace& w) const;
@@ -200,6 +201,7 @@ class AttentionTask {
   void qk_bf16(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t bc, const Workspace& w) const;
   void pv_bf16(const RowBlock& rb, const KvRows<EK>& vrows, int64_t j0, int64_t bc, bool p_paired,
                const Workspace& w) const;
+  void pv_pairs(const RowBlock& rb, const uint32_t* pp, const uint32_t* vp, int64_t pairs, const Workspace& w) const;
   void pack_q_row_pairs(const RowBlock& rb, const Workspace& w) const;
   void qk_rows_bf16(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t n, bool in_place,
                     float* s, int64_t lds, const Workspace& w) const;
