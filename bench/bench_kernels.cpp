@@ -4,16 +4,18 @@
 // Prefill: one kv tile of kKvTile = 128 keys for one task of kRowTarget = 48 query rows.
 //   gemm_qk/fp32/<wide>             Sᵀ = K · Qᵀ   m=128 n=48 k=128, K row-major read in place
 //   gemm_qk/bf16/<wide>             the same on bf16 pairs (gemm_bf16, k_pairs=64); avx512bf16
-//   gemm_pv/fp32/<tall>             O += P · V    m=48 n=128 k=128, P read transposed from Sᵀ
-//                                   (lda=1, a_step=48), accumulating
-//   gemm_pv/split_bf16/<tall>       the same with V rows in bf16, read in place (split order)
-//   gemm_pv/bf16/<tall>             the same on bf16 pairs of keys (gemm_bf16, k_pairs=64): P
+//   gemm_pv/fp32/<wide>             Oᵀ += Vᵀ · Pᵀ m=128 n=48 k=128, V rows broadcast (lda=1,
+//                                   a_step=128), Pᵀ rows from Sᵀ, accumulating
+//   gemm_pv/split_bf16/<tall>       O += P · V    m=48 n=128 k=128, P read transposed from Sᵀ
+//                                   (lda=1, a_step=48), V rows in bf16 read in place (split order)
+//   gemm_pv/bf16/<wide>             Oᵀ += Vᵀ · Pᵀ on bf16 pairs of keys (gemm_bf16, k_pairs=64): P
 //                                   and V already paired; avx512bf16
 //   online_softmax_tile             128 keys × 48 rows of transposed scores
 //   attention_tile/fp32             gemm_qk (fp32) + softmax + rescale + gemm_pv (fp32)
-//   attention_tile/bf16             gemm_qk (bf16) + scale + softmax + rescale + P and V
-//                                   paired (pair_rows_bf16, interleave_bf16_rows) + gemm_pv
-//                                   (bf16), the bf16-input path; avx512bf16
+//   attention_tile/bf16             gemm_qk (bf16) + softmax with the scale and P's bf16
+//                                   pairs (online_softmax_tile_bf16_pairs) + rescale + gemm_pv
+//                                   (bf16) on V pairs prepared once per call, the bf16-input
+//                                   path; avx512bf16
 // Decode: one block of kLanes keys for 4 query rows (scores row-major, keys along the lanes);
 // registered where the op takes that path for 4 rows (2·rows <= kLanes: not on generic).
 //   decode/dot_key_block/fp32       S = Q · Kᵀ    4 rows × kLanes keys × 128, K in place
@@ -22,8 +24,9 @@
 //   decode/gemm_pv/fp32/<row>       O += P · V    m=4 n=128 k=kLanes, P row-major (lda=kLanes,
 //                                   a_step=1), accumulating
 //   decode/gemm_pv/split_bf16/<row> the same with V rows in bf16, read in place (split order)
-// <wide> is the register tile kWideRows × kWideVecs, <tall> kTallRows × kTallVecs, <row>
-// kRowRows × kRowVecs (split bf16: rounded down to whole pairs of vectors), as the op uses them.
+// <wide> is the register tile kWideRows × kWideVecs (bf16 pairs: kDotWideRows × kDotWideVecs),
+// <tall> kTallRows × kTallVecs, <row> kRowRows × kRowVecs (split bf16: rounded down to whole
+// pairs of vectors), as the op uses them.
 // Data: the prefill tile's operands (64 KB of fp32 K, 64 KB of V) stay cache-resident, as a
 // tile does in the op while every row of the task uses it. The decode K and V span 64 blocks
 // read in rotation (512 KB of fp32 K on AVX-512): out of L1 but L2-resident, so this is not a
@@ -148,15 +151,20 @@ void bm_gemm_qk(benchmark::State& state, double peak_gflops) {
   });
 }
 
-// O[48][128] += P · V[128][128], P read from Sᵀ[128][48] (lda = 1, a_step = 48). V (fp32 or
-// bf16 in split order) is scaled so that each call adds O(1e-2) and O stays bounded.
+// fp32 V: Oᵀ[128][48] += Vᵀ · Pᵀ, V[128][128] broadcast (lda = 1, a_step = 128), Pᵀ = Sᵀ[128][48]
+// (the tile loop's o_transposed). bf16 V in split order: O[48][128] += P · V, P read from
+// Sᵀ (lda = 1, a_step = 48). V is scaled so that each call adds O(1e-2) and O stays bounded.
 template <class V>
 void bm_gemm_pv(benchmark::State& state, double peak_gflops) {
   const Buffer<float> st = random_buffer(kKeys * kRows, 4);
   Buffer<float> o = random_buffer(kRows * kDv, 5);
   const Buffer<V> v = random_values<V>(kKeys * kDv, 6, 1e-3f);
   time_flops(state, 2.0 * kRows * kDv * kKeys, peak_gflops, [&] {
-    gemm<kTallRows, kTallVecs>(kRows, kDv, kKeys, st.get(), 1, kRows, v.get(), kDv, o.get(), kDv, true);
+    if constexpr (std::is_same_v<V, float>) {
+      gemm<kWideRows, kWideVecs>(kDv, kRows, kKeys, v.get(), 1, kDv, st.get(), kRows, o.get(), kRows, true);
+    } else {
+      gemm<kTallRows, kTallVecs>(kRows, kDv, kKeys, st.get(), 1, kRows, v.get(), kDv, o.get(), kDv, true);
+    }
     benchmark::DoNotOptimize(o.get());
     benchmark::ClobberMemory();
   });
@@ -176,15 +184,19 @@ void bm_softmax_tile(benchmark::State& state) {
   report_scores(state, kKeys * kRows);
 }
 
-// O *= alpha where the running max moved, as attention_fwd's rescale_output.
-void rescale_rows(float* o, const float* alpha, int64_t rows) {
-  for (int64_t r = 0; r < rows; ++r) {
-    if (alpha[r] != 1.0f) scale_row(o + r * kDv, kDv, alpha[r]);
+// Oᵀ[kDv][rows] *= alpha by columns unless no row's max moved, as the tile loop's rescale_output.
+void rescale_columns(float* ot, const float* alpha, int64_t rows) {
+  bool moved = false;
+  for (int64_t r = 0; r < rows; ++r) moved |= alpha[r] != 1.0f;
+  if (!moved) return;
+  for (int64_t c = 0; c < rows; c += kLanes) {
+    const vfloat a = vload(alpha + c);
+    for (int64_t d = 0; d < kDv; ++d) vstore(ot + d * rows + c, vload(ot + d * rows + c) * a);
   }
 }
 
 // One kv tile of the fused forward kernel, fp32 inputs: Sᵀ = K · Qᵀ (Q pre-scaled), online
-// softmax over the tile, rescale of the output rows, O += P · V (P read transposed from Sᵀ).
+// softmax over the tile, rescale of the output, Oᵀ += Vᵀ · Pᵀ (Pᵀ = Sᵀ, V rows broadcast).
 // Sᵀ is recomputed each call, so after the first the running max stays and alpha is 1.
 void bm_attention_tile(benchmark::State& state, double peak_gflops) {
   const Buffer<float> k = random_buffer(kKeys * kD, 8), qt = random_buffer(kD * kRows, 9, kScoreScale),
@@ -194,8 +206,8 @@ void bm_attention_tile(benchmark::State& state, double peak_gflops) {
   time_flops(state, 2.0 * kKeys * kRows * (kD + kDv), peak_gflops, [&] {
     gemm<kWideRows, kWideVecs>(kKeys, kRows, kD, k.get(), kD, 1, qt.get(), kRows, st.get(), kRows, false);
     online_softmax_tile(st.get(), kKeys, kRows, kRows, sm.m.get(), sm.l.get(), sm.alpha.get());
-    rescale_rows(o.get(), sm.alpha.get(), kRows);
-    gemm<kTallRows, kTallVecs>(kRows, kDv, kKeys, st.get(), 1, kRows, v.get(), kDv, o.get(), kDv, true);
+    rescale_columns(o.get(), sm.alpha.get(), kRows);
+    gemm<kWideRows, kWideVecs>(kDv, kRows, kKeys, v.get(), 1, kDv, st.get(), kRows, o.get(), kRows, true);
     benchmark::DoNotOptimize(o.get());
     benchmark::ClobberMemory();
   });
@@ -210,50 +222,48 @@ void bm_gemm_qk_bf16(benchmark::State& state, double peak_gflops) {
   const Buffer<uint16_t> k = random_bf16(kKeys * kD, 13), qt = random_bf16(kD * kRows, 14);
   Buffer<float> st = random_buffer(kKeys * kRows, 15);
   time_flops(state, 2.0 * kKeys * kRows * kD, peak_gflops, [&] {
-    gemm_bf16<kWideRows, kWideVecs>(kKeys, kRows, kPairs, as_pairs(k), kPairs, 1, as_pairs(qt), kRows, st.get(),
-                                    kRows, false);
+    gemm_bf16<kDotWideRows, kDotWideVecs>(kKeys, kRows, kPairs, as_pairs(k), kPairs, 1, as_pairs(qt), kRows,
+                                          st.get(), kRows, false);
     benchmark::DoNotOptimize(st.get());
     benchmark::ClobberMemory();
   });
 }
 
-// O[48][128] += P · V on bf16 pairs of keys: Pᵀ as [64 pairs][48] (lda = 1, a_step = 48), V
-// as [64 pairs][128], values as in bm_gemm_pv.
+// Oᵀ[128][48] += Vᵀ · Pᵀ on bf16 pairs of keys: V as [64 pairs][128] broadcast (lda = 1,
+// a_step = 128), Pᵀ as [64 pairs][48], values as in bm_gemm_pv.
 void bm_gemm_pv_bf16(benchmark::State& state, double peak_gflops) {
   const Buffer<uint16_t> pt = random_bf16(kKeys * kRows, 31), v = random_bf16(kKeys * kDv, 32, 1e-3f);
   Buffer<float> o = random_buffer(kRows * kDv, 33);
   time_flops(state, 2.0 * kRows * kDv * kKeys, peak_gflops, [&] {
-    gemm_bf16<kTallRows, kTallVecs>(kRows, kDv, kKeys / 2, as_pairs(pt), 1, kRows, as_pairs(v), kDv, o.get(), kDv,
-                                    true);
+    gemm_bf16<kDotWideRows, kDotWideVecs>(kDv, kRows, kKeys / 2, as_pairs(v), 1, kDv, as_pairs(pt), kRows, o.get(),
+                                          kRows, true);
     benchmark::DoNotOptimize(o.get());
     benchmark::ClobberMemory();
   });
 }
 
 // One kv tile of the bf16-input path on this ISA (qk_bf16, pv_bf16): Sᵀ = K · Qᵀ on pairs,
-// Sᵀ *= scale, softmax, rescale, Pᵀ paired in place, this tile's V rows interleaved into
-// key pairs, O += P · V on pairs.
+// the softmax scaling Sᵀ and pairing P in place, rescale, Oᵀ += Vᵀ · Pᵀ on pairs (V's key
+// pairs are prepared once per call, outside the tile).
 void bm_attention_tile_bf16(benchmark::State& state, double peak_gflops) {
   const Buffer<uint16_t> k = random_bf16(kKeys * kD, 16), qt = random_bf16(kD * kRows, 17),
                          v = random_bf16(kKeys * kDv, 18);
   Buffer<float> o = random_buffer(kRows * kDv, 19), st = random_buffer(kKeys * kRows, 20);
   const Buffer<float> v_pairs = random_buffer(kKeys / 2 * kDv, 21);  // as uint32_t pairs
   uint32_t* vp = reinterpret_cast<uint32_t*>(v_pairs.get());
+  for (int64_t jp = 0; jp < kKeys / 2; ++jp) {
+    const uint16_t* a = v.get() + 2 * jp * kDv;
+    interleave_bf16_rows(a, a + kDv, 1, kDv, kDv, vp + jp * kDv);
+  }
   SoftmaxState sm(kRows);
-  const vfloat scale = vbroadcast(kScoreScale);
   uint32_t* pp = reinterpret_cast<uint32_t*>(st.get());
   time_flops(state, 2.0 * kKeys * kRows * (kD + kDv), peak_gflops, [&] {
-    gemm_bf16<kWideRows, kWideVecs>(kKeys, kRows, kPairs, as_pairs(k), kPairs, 1, as_pairs(qt), kRows, st.get(),
-                                    kRows, false);
-    for (int64_t i = 0; i < kKeys * kRows; i += kLanes) vstore(st.get() + i, vload(st.get() + i) * scale);
-    online_softmax_tile(st.get(), kKeys, kRows, kRows, sm.m.get(), sm.l.get(), sm.alpha.get());
-    rescale_rows(o.get(), sm.alpha.get(), kRows);
-    pair_rows_bf16(st.get(), kKeys, kRows, pp);
-    for (int64_t jp = 0; jp < kKeys / 2; ++jp) {
-      const uint16_t* a = v.get() + 2 * jp * kDv;
-      interleave_bf16_rows(a, a + kDv, 1, kDv, kDv, vp + jp * kDv);
-    }
-    gemm_bf16<kTallRows, kTallVecs>(kRows, kDv, kKeys / 2, pp, 1, kRows, vp, kDv, o.get(), kDv, true);
+    gemm_bf16<kDotWideRows, kDotWideVecs>(kKeys, kRows, kPairs, as_pairs(k), kPairs, 1, as_pairs(qt), kRows,
+                                          st.get(), kRows, false);
+    online_softmax_tile_bf16_pairs(st.get(), kKeys, kRows, kRows, kScoreScale, sm.m.get(), sm.l.get(),
+                                   sm.alpha.get());
+    rescale_columns(o.get(), sm.alpha.get(), kRows);
+    gemm_bf16<kDotWideRows, kDotWideVecs>(kDv, kRows, kKeys / 2, vp, 1, kDv, pp, kRows, o.get(), kRows, true);
     benchmark::DoNotOptimize(o.get());
     benchmark::ClobberMemory();
   });
@@ -355,12 +365,14 @@ void register_benchmarks(double peak_gflops) {
   };
   add("gemm_qk/fp32/" + wide + "/m128_n48_k128", bm_gemm_qk, peak_gflops);
 #if defined(ATTNKIT_ISA_avx512bf16)
-  add("gemm_qk/bf16/" + wide + "/m128_n48_kpairs64", bm_gemm_qk_bf16, peak_gflops);
+  add("gemm_qk/bf16/" + tile("wide", kDotWideRows, kDotWideVecs) + "/m128_n48_kpairs64", bm_gemm_qk_bf16,
+      peak_gflops);
 #endif
-  add("gemm_pv/fp32/" + tall + "/m48_n128_k128", bm_gemm_pv<float>, peak_gflops);
+  add("gemm_pv/fp32/" + wide + "/m128_n48_k128", bm_gemm_pv<float>, peak_gflops);
   add("gemm_pv/split_bf16/" + tall_split + "/m48_n128_k128", bm_gemm_pv<uint16_t>, peak_gflops);
 #if defined(ATTNKIT_ISA_avx512bf16)
-  add("gemm_pv/bf16/" + tall + "/m48_n128_kpairs64", bm_gemm_pv_bf16, peak_gflops);
+  add("gemm_pv/bf16/" + tile("wide", kDotWideRows, kDotWideVecs) + "/m128_n48_kpairs64", bm_gemm_pv_bf16,
+      peak_gflops);
 #endif
   add("online_softmax_tile/keys128_rows48", bm_softmax_tile);
   add("attention_tile/fp32/keys128_rows48_d128", bm_attention_tile, peak_gflops);

@@ -31,7 +31,11 @@ void run_attention(const AttentionParams& p, const QuantizedKeys* kq = nullptr) 
   const Plan plan(p, kq != nullptr, kq != nullptr && kq->v_codes != nullptr);
   AlignedBuffer<float> workspace(plan.workspace_floats * threads);
   AlignedBuffer<float> partial(plan.partial_floats * plan.slots);
-  const AttentionTask<T, TK> task(p, plan, kq);
+  AlignedBuffer<uint32_t> v_pairs(plan.v_pairs ? p.B * p.Hkv * ((p.Skv + 1) / 2) * plan.dv_pad : 0);
+  if constexpr (T == DType::bfloat16 && TK == T) {
+    if (plan.v_pairs) fwd::prepare_v_pairs<T>(p, plan, v_pairs.data);
+  }
+  const AttentionTask<T, TK> task(p, plan, kq, v_pairs.data);
   auto attend = [&](int64_t t, int thread) {
     task.run(t, workspace.data + plan.workspace_floats * thread, partial.data);
   };

@@ -465,6 +465,49 @@ ISA_TEST(OnlineSoftmax, TwoTilesEqualOneSoftmax) {
   EXPECT_EQ(t[5 * ld + 1], 0.0f);
 }
 
+// The bf16-pairs form of the tile update against the separate passes it replaces (Sᵀ *=
+// scale, online_softmax_tile, pair_rows_bf16): the same max, each P rounded to bf16 and
+// paired in place identically (up to the last bit where a·b - m fuses into one FMA), the
+// sums within rounding; for 1..5 vectors of rows (the groups of 4 and their tails), an odd
+// key count, masked keys and a row that sees nothing.
+ISA_TEST(OnlineSoftmax, Bf16PairsMatchSeparatePasses) {
+  SKIP_UNLESS_RUNNABLE();
+  std::mt19937 gen(21);
+  std::normal_distribution<float> dist(0.0f, 20.0f);
+  const float scale = 0.0883883f;
+  for (int64_t vecs : {1, 3, 4, 5}) {
+    for (int64_t keys : {1, 6, 13}) {
+      const int64_t rows = vecs * kLanes, ld = rows;
+      std::vector<float> s(keys * ld);
+      for (auto& x : s) x = dist(gen);
+      s[(keys - 1) * ld + 1] = -INFINITY;                        // a masked key of row 1
+      for (int64_t j = 0; j < keys; ++j) s[j * ld + 2] = -INFINITY;  // row 2 sees nothing
+      std::vector<float> a = s, b = s, ma(rows, 1.5f), la(rows, 2.0f), aa(rows), mb = ma, lb = la, ab(rows);
+      for (auto& x : a) x *= scale;
+      online_softmax_tile(a.data(), keys, ld, rows, ma.data(), la.data(), aa.data());
+      pair_rows_bf16(a.data(), keys, ld, reinterpret_cast<uint32_t*>(a.data()));
+      online_softmax_tile_bf16_pairs(b.data(), keys, ld, rows, scale, mb.data(), lb.data(), ab.data());
+      for (int64_t r = 0; r < rows; ++r) {
+        ASSERT_EQ(mb[r], ma[r]) << vecs << " " << keys << " row " << r;
+        ASSERT_EQ(ab[r], aa[r]) << vecs << " " << keys << " row " << r;
+        ASSERT_NEAR(lb[r], la[r], 2e-6f * la[r]) << vecs << " " << keys << " row " << r;
+        for (int64_t i = 0; i < (keys + 1) / 2; ++i) {
+          uint32_t pa, pb;
+          std::memcpy(&pa, &a[i * ld + r], 4);
+          std::memcpy(&pb, &b[i * ld + r], 4);
+          for (int half : {0, 16}) {  // each bf16 at most one unit in the last place apart
+            const int32_t da = (pa >> half) & 0xFFFF, db = (pb >> half) & 0xFFFF;
+            ASSERT_LE(std::abs(da - db), 1) << vecs << " " << keys << " row " << r << " pair " << i;
+          }
+          if (r == 2) {
+            ASSERT_EQ(pb, 0u);
+          }
+        }
+      }
+    }
+  }
+}
+
 // A NaN score never wins the running max: the max stays that of the other scores (so exp2
 // never sees s - max > 0, whose exponent would overflow on avx2/generic), and the row's sum
 // is NaN. Scores 3, NaN, 0.5 down the keys, in both layouts.

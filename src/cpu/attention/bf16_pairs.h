@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "core/thread_pool.h"
 #include "cpu/attention/task.h"
 #include "cpu/kernels/convert.h"
 #include "cpu/kernels/dot.h"
@@ -35,8 +36,8 @@ void AttentionTask<T, TK>::pack_qt_pairs(const RowBlock& rb, const Workspace& w)
   transpose_matrix(w.k, lds, plan_.rows_pad, lds, w.qt, plan_.rows_pad);
 }
 
-// Sᵀ = K · Qᵀ on bf16 pairs (K rows in place, a gemm per run, or copied as pairs), then
-// Sᵀ *= scale.
+// Sᵀ = K · Qᵀ on bf16 pairs (K rows in place, a gemm per run, or copied as pairs), unscaled
+// (the caller applies the scale).
 template <DType T, DType TK>
 void AttentionTask<T, TK>::qk_bf16(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t bc,
                                    const Workspace& w) const {
@@ -44,28 +45,27 @@ void AttentionTask<T, TK>::qk_bf16(const RowBlock& rb, const KvRows<EK>& krows, 
   const uint32_t* qt = reinterpret_cast<const uint32_t*>(w.qt);
   if (rb.mode->k_in_place) {
     krows.for_each_run(j0, bc, [&](const EK* k, int64_t first, int64_t n) {
-      gemm_bf16<kWideRows, kWideVecs>(n, ld, pairs, reinterpret_cast<const uint32_t*>(k), krows.stride / 2, 1,
-                                      qt, ld, w.st + first * ld, ld, false);
+      gemm_bf16<kDotWideRows, kDotWideVecs>(n, ld, pairs, reinterpret_cast<const uint32_t*>(k), krows.stride / 2,
+                                            1, qt, ld, w.st + first * ld, ld, false);
     });
   } else {
     const uint32_t* keys = pack_key_pairs(krows, j0, bc, pairs, w);
-    gemm_bf16<kWideRows, kWideVecs>(bc, ld, pairs, keys, pairs, 1, qt, ld, w.st, ld, false);
+    gemm_bf16<kDotWideRows, kDotWideVecs>(bc, ld, pairs, keys, pairs, 1, qt, ld, w.st, ld, false);
   }
-  const vfloat scale = vbroadcast(rb.scale);
-  for (int64_t i = 0; i < bc * ld; i += kLanes) vstore(w.st + i, vload(w.st + i) * scale);
 }
 
 // O += P · V with P rounded to bf16 and both packed as pairs along the keys (vdpbf16ps):
-// Pᵀ is rewritten in place (pair row jp of keys 2jp, 2jp+1). V pairs come from sage's
-// prepared V, or are interleaved here from this tile's bf16 V rows.
+// Pᵀ is rewritten in place (pair row jp of keys 2jp, 2jp+1), unless the softmax already
+// did (p_paired). V pairs come from sage's prepared V, or are interleaved here from this
+// tile's bf16 V rows.
 template <DType T, DType TK>
 void AttentionTask<T, TK>::pv_bf16(const RowBlock& rb, const KvRows<EK>& vrows, int64_t j0, int64_t bc,
-                                   const Workspace& w) const {
+                                   bool p_paired, const Workspace& w) const {
   const int64_t ld = plan_.rows_pad, dv_pad = plan_.dv_pad, pairs = (bc + 1) / 2;
   uint32_t* pp = reinterpret_cast<uint32_t*>(w.st);
-  pair_rows_bf16(w.st, bc, ld, pp);
+  if (!p_paired) pair_rows_bf16(w.st, bc, ld, pp);
   uint32_t* vp = reinterpret_cast<uint32_t*>(w.v);
-  if (!kq_) {  // bf16 V (EK is bf16 here): a lone last key pairs with a zero row (its P is zero too)
+  if (!v_pairs_) {  // bf16 V (EK is bf16 here): a lone last key pairs with a zero row (its P is zero too)
     vrows.for_each_run(j0, bc, [&](const EK* v, int64_t first, int64_t n) {
       const uint16_t* a = reinterpret_cast<const uint16_t*>(v);
       for (int64_t j = first; j < first + n; ++j, a += vrows.stride) {
@@ -82,16 +82,29 @@ void AttentionTask<T, TK>::pv_bf16(const RowBlock& rb, const KvRows<EK>& vrows, 
         }
       }
     });
-    gemm_bf16<kTallRows, kTallVecs>(rb.rows, dv_pad, pairs, pp, 1, ld, vp, dv_pad, w.o, dv_pad, true);
+    pv_pairs(rb, pp, vp, pairs, w);
     return;
   }
   const int64_t head = rb.b * p_.Hkv + rb.kvh;
-  const uint32_t* prepared = kq_->v_pairs + (head * ((p_.Skv + 1) / 2) + j0 / 2) * dv_pad;
+  const uint32_t* prepared = v_pairs_ + (head * ((p_.Skv + 1) / 2) + j0 / 2) * dv_pad;
   const int64_t full = bc / 2;  // pairs whose two keys are both in the tile
-  gemm_bf16<kTallRows, kTallVecs>(rb.rows, dv_pad, full, pp, 1, ld, prepared, dv_pad, w.o, dv_pad, true);
+  pv_pairs(rb, pp, prepared, full, w);
   if (bc % 2) {  // the last key alone: the pair's other key lies past the tile (mask, split)
     for (int64_t d = 0; d < dv_pad; ++d) vp[d] = prepared[full * dv_pad + d] & 0xFFFFu;
-    gemm_bf16<kTallRows, kTallVecs>(rb.rows, dv_pad, 1, pp + full * ld, 1, ld, vp, dv_pad, w.o, dv_pad, true);
+    pv_pairs(rb, pp + full * ld, vp, 1, w);
+  }
+}
+
+// O += P · V over `pairs` key pairs, P pairs [pairs][rows_pad], V pairs [pairs][dv_pad]: as
+// Oᵀ += Vᵀ · Pᵀ into w.ot where the tile loop accumulates Oᵀ (o_transposed), else O's tall tiles.
+template <DType T, DType TK>
+void AttentionTask<T, TK>::pv_pairs(const RowBlock& rb, const uint32_t* pp, const uint32_t* vp, int64_t pairs,
+                                    const Workspace& w) const {
+  const int64_t ld = plan_.rows_pad, dv_pad = plan_.dv_pad;
+  if (o_transposed(rb)) {
+    gemm_bf16<kDotWideRows, kDotWideVecs>(dv_pad, ld, pairs, vp, 1, dv_pad, pp, ld, w.ot, ld, true);
+  } else {
+    gemm_bf16<kTallRows, kTallVecs>(rb.rows, dv_pad, pairs, pp, 1, ld, vp, dv_pad, w.o, dv_pad, true);
   }
 }
 
@@ -188,14 +201,40 @@ uint32_t* AttentionTask<T, TK>::pack_fp8_key_pairs(const KvRows<EK>& krows, int6
   return kp;
 }
 
+// bf16 V of a dense call as pairs of consecutive keys, once per (batch, kv head), in the
+// layout of sage's (QuantizedKeys::v_pairs): every task of the kv head shares them instead
+// of interleaving each V tile itself. Keys past the batch's key length are zero.
+template <DType T>
+void prepare_v_pairs(const AttentionParams& p, const Plan& plan, uint32_t* v_pairs) {
+  const int64_t pairs = (p.Skv + 1) / 2, dv_pad = plan.dv_pad;
+  auto body = [&](int64_t head, int) {
+    const int64_t b = head / p.Hkv, kvh = head % p.Hkv, skv = p.kv_len ? p.kv_len[b] : p.Skv;
+    const uint16_t* v =
+        static_cast<const uint16_t*>(p.v) + b * p.v_stride[0] + kvh * p.v_stride[1];  // T is bf16 here
+    for (int64_t jp = 0; jp < pairs; ++jp) {
+      uint32_t* dst = v_pairs + (head * pairs + jp) * dv_pad;
+      const int64_t j = 2 * jp;
+      if (j >= skv) {
+        std::memset(dst, 0, sizeof(uint32_t) * dv_pad);
+        continue;
+      }
+      interleave_bf16_rows(v + j * p.v_stride[2], j + 1 < skv ? v + (j + 1) * p.v_stride[2] : nullptr,
+                           p.v_stride[3], p.Dv, dv_pad, dst);
+    }
+  };
+  detail::parallel_for(p.B * p.Hkv, detail::num_threads(), body);
+}
+
 #else
+template <DType T>
+void prepare_v_pairs(const AttentionParams&, const Plan&, uint32_t*) {}
 template <DType T, DType TK>
 void AttentionTask<T, TK>::pack_qt_pairs(const RowBlock&, const Workspace&) const {}
 template <DType T, DType TK>
 void AttentionTask<T, TK>::qk_bf16(const RowBlock&, const KvRows<EK>&, int64_t, int64_t,
                                    const Workspace&) const {}
 template <DType T, DType TK>
-void AttentionTask<T, TK>::pv_bf16(const RowBlock&, const KvRows<EK>&, int64_t, int64_t,
+void AttentionTask<T, TK>::pv_bf16(const RowBlock&, const KvRows<EK>&, int64_t, int64_t, bool,
                                    const Workspace&) const {}
 template <DType T, DType TK>
 void AttentionTask<T, TK>::pack_q_row_pairs(const RowBlock&, const Workspace&) const {}

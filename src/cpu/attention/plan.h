@@ -95,6 +95,7 @@ struct Plan {
   bool int8;                 // sage int8 mode: K·Qᵀ on int8 codes
   bool pv_int8;              // sage int8_pv_int8 mode: P·V on u8 P and s8 V codes too
   bool v_in_place;           // fp32 V rows with unit stride need no packing
+  bool v_pairs;              // bf16 V prepared as key pairs once per call (prepare_v_pairs)
   Mode tile;                 // row blocks of more rows
   Mode few[kLanes / 2 + 1];  // few[r]: row blocks of r rows, where key blocks pay
 
@@ -119,14 +120,18 @@ struct Plan {
                 (p.kv_dtype == DType::float8_e4m3fn || p.kv_dtype == DType::float8_e5m2);
     v_in_place = p.kv_dtype == DType::float32 && p.v_stride[3] == 1 && p.Dv == dv_pad;
     tile = make_mode(p, rows, false);
+    // Dense calls whose kv heads serve more than one task's rows: else each V tile is
+    // interleaved into pairs about once anyway.
+    v_pairs = tile.pv_bf16 && !int8 && !p.block_table && !p.kv_begin && p.Sq * p.group > kRowTarget;
     for (int64_t r = 1; r <= kLanes / 2; ++r) few[r] = make_mode(p, r, !int8 && r <= kMaxDotRows);
     workspace_floats = d_pad * rows_pad        // Qᵀ (or Q rows), scaled
                        + rows_pad * dv_pad     // output accumulators
                        + kKvTile * rows_pad    // Sᵀ, then Pᵀ
                        + kKvTile * d_pad       // K tile (when packed)
                        + kKvTile * dv_pad      // V tile (when packed)
-                       + 8 * rows_pad;         // running max, sum, rescale; int8 q scale, sum;
+                       + 8 * rows_pad          // running max, sum, rescale; int8 q scale, sum;
                                                // sage's row shift; ALiBi slope, distance
+                       + dv_pad * rows_pad;    // output accumulators transposed (tile loop)
     if (pv_int8) workspace_floats += kKvTile * rows_pad + rows_pad * dv_pad + 3 * rows_pad;  // P codes, P·V, P scale, top P, its key
     partial_floats = rows_pad * (dv_pad + 2);  // o, m, l of one split
   }
@@ -232,6 +237,7 @@ struct Workspace {
   float *qt, *o, *st, *k, *v, *m, *l, *alpha, *q_scale;
   int32_t* q_sum;
   float *shift, *slope, *dist;  // per row: sage's q·mean (soft-cap only); ALiBi's slope, a - j0
+  float* ot;                               // Oᵀ [dv_pad][rows_pad] (AttentionTask::o_transposed)
   float *p_codes, *pv, *p_scale, *p_top;  // sage int8_pv_int8: P's codes, a tile's P·V; per row P's
   int32_t* p_top_key;                      // scale, its largest value in the tile and that one's key
   Workspace(float* base, const Plan& plan, const AttentionParams& p) {
@@ -248,10 +254,11 @@ struct Workspace {
     shift = reinterpret_cast<float*>(q_sum + plan.rows_pad);
     slope = shift + plan.rows_pad;
     dist = slope + plan.rows_pad;
+    ot = dist + plan.rows_pad;
     p_codes = pv = p_scale = p_top = nullptr;
     p_top_key = nullptr;
     if (plan.pv_int8) {
-      p_codes = dist + plan.rows_pad;
+      p_codes = ot + plan.dv_pad * plan.rows_pad;
       pv = p_codes + kKvTile * plan.rows_pad;
       p_scale = pv + plan.rows_pad * plan.dv_pad;
       p_top = p_scale + plan.rows_pad;

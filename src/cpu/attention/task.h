@@ -21,8 +21,10 @@ class AttentionTask {
   using EK = typename Elem<TK>::type;
 
  public:
-  AttentionTask(const AttentionParams& p, const Plan& plan, const QuantizedKeys* kq = nullptr)
-      : p_(p), plan_(plan), kq_(kq) {}
+  // v_pairs: bf16 V as key pairs (prepare_v_pairs) where plan.v_pairs, else null.
+  AttentionTask(const AttentionParams& p, const Plan& plan, const QuantizedKeys* kq = nullptr,
+                const uint32_t* v_pairs = nullptr)
+      : p_(p), plan_(plan), kq_(kq), v_pairs_(kq ? kq->v_pairs : v_pairs) {}
 
   // Row block `index` of the sequence it belongs to.
   RowBlock row_block(const Sequence& s, int64_t index) const {
@@ -180,6 +182,7 @@ class AttentionTask {
 
   // The tile loop (tile_loop.h): Sᵀ = K · Qᵀ per tile of kKvTile keys, rows along the lanes.
   void attend(const RowBlock& rb, int64_t begin, int64_t end, const Workspace& w) const;
+  bool o_transposed(const RowBlock& rb) const;
   void rescale_output(const RowBlock& rb, const Workspace& w) const;
   void accumulate_pv(const RowBlock& rb, const KvRows<EK>& vrows, int64_t j0, int64_t bc, const Scores& p,
                      const Workspace& w) const;
@@ -197,7 +200,9 @@ class AttentionTask {
   // bf16 pairs for vdpbf16ps (bf16_pairs.h; empty on variants without it).
   void pack_qt_pairs(const RowBlock& rb, const Workspace& w) const;
   void qk_bf16(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t bc, const Workspace& w) const;
-  void pv_bf16(const RowBlock& rb, const KvRows<EK>& vrows, int64_t j0, int64_t bc, const Workspace& w) const;
+  void pv_bf16(const RowBlock& rb, const KvRows<EK>& vrows, int64_t j0, int64_t bc, bool p_paired,
+               const Workspace& w) const;
+  void pv_pairs(const RowBlock& rb, const uint32_t* pp, const uint32_t* vp, int64_t pairs, const Workspace& w) const;
   void pack_q_row_pairs(const RowBlock& rb, const Workspace& w) const;
   void qk_rows_bf16(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t n, bool in_place,
                     float* s, int64_t lds, const Workspace& w) const;
@@ -228,6 +233,7 @@ class AttentionTask {
   const AttentionParams& p_;
   const Plan& plan_;
   const QuantizedKeys* kq_;  // sage int8 mode only
+  const uint32_t* v_pairs_;  // V as bf16 key pairs, [B][Hkv][ceil(Skv / 2)][dv_pad] (sage's or dense's), or null
 };
 
 }  // namespace attnkit::cpu::ATTNKIT_ISA::fwd

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "cpu/attention/task.h"
 #include "cpu/kernels/gemm.h"
@@ -30,10 +31,19 @@ void AttentionTask<T, TK>::attend(const RowBlock& rb, int64_t begin, int64_t end
   } else {
     pack_qt(rb, w);
   }
-  std::memset(w.o, 0, sizeof(float) * rb.rows * plan_.dv_pad);
+  const bool transposed = o_transposed(rb);
+  if (transposed) {
+    std::memset(w.ot, 0, sizeof(float) * plan_.dv_pad * ld);
+  } else {
+    std::memset(w.o, 0, sizeof(float) * rb.rows * plan_.dv_pad);
+  }
   for (int64_t r = 0; r < ld; ++r) w.m[r] = -INFINITY, w.l[r] = 0.0f;
 
   const KvRows<EK> krows = kv_rows(p_.k, p_.k_stride, rb), vrows = kv_rows(p_.v, p_.v_stride, rb);
+  // bf16 pairs with nothing between the scores and the softmax but -inf masks: the softmax
+  // applies the scale (masks commute with a positive one) and writes P as bf16 pairs.
+  const bool fused_pairs = plan_.bf16_dot && rb.mode->pv_bf16 && p_.softcap == 0.0f && !p_.alibi_slopes &&
+                           !p_.mask && p_.dropout_p == 0.0f && rb.scale > 0.0f && rb.scale < INFINITY;
   for (int64_t j0 = begin; j0 < end; j0 += kKvTile) {
     const int64_t bc = end - j0 < kKvTile ? end - j0 : kKvTile;
     if (plan_.int8) {  // Sᵀ = K · Qᵀ on int8 codes, dequantised
@@ -41,6 +51,7 @@ void AttentionTask<T, TK>::attend(const RowBlock& rb, int64_t begin, int64_t end
       fix_nonfinite_logits(rb, j0, bc, w);
     } else if (plan_.bf16_dot) {  // Sᵀ = K · Qᵀ on bf16 pairs, then the scale
       qk_bf16(rb, krows, j0, bc, w);
+      if (!fused_pairs) scale_row(w.st, bc * ld, rb.scale);
     } else if (rb.mode->k_in_place) {  // Sᵀ = K · Qᵀ, a gemm per run of rows at one stride
       krows.for_each_run(j0, bc, [&](const EK* k, int64_t first, int64_t n) {
         gemm<kWideRows, kWideVecs>(n, ld, p_.D, reinterpret_cast<const float*>(k), krows.stride, 1, w.qt, ld,
@@ -52,6 +63,12 @@ void AttentionTask<T, TK>::attend(const RowBlock& rb, int64_t begin, int64_t end
     }
     apply_score_mods(rb, j0, bc, scores, w);
     apply_masks(rb, j0, bc, scores);
+    if (fused_pairs) {
+      online_softmax_tile_bf16_pairs(w.st, bc, ld, ld, rb.scale, w.m, w.l, w.alpha);
+      rescale_output(rb, w);
+      pv_bf16(rb, vrows, j0, bc, true, w);
+      continue;
+    }
     online_softmax_tile(w.st, bc, ld, ld, w.m, w.l, w.alpha);
     if (plan_.pv_int8) {  // u8 P · s8 V, the rescale by alpha folded in (sage_int8.h)
       pv_int8(rb, j0, bc, w);
@@ -60,16 +77,38 @@ void AttentionTask<T, TK>::attend(const RowBlock& rb, int64_t begin, int64_t end
     rescale_output(rb, w);
     if (p_.dropout_p > 0.0f) apply_dropout(rb, j0, bc, scores);
     if (rb.mode->pv_bf16) {
-      pv_bf16(rb, vrows, j0, bc, w);
+      pv_bf16(rb, vrows, j0, bc, false, w);
     } else {
       accumulate_pv(rb, vrows, j0, bc, scores, w);
     }
   }
+  if (transposed) transpose_matrix(w.ot, ld, plan_.dv_pad, ld, w.o, plan_.dv_pad);
+}
+
+// Whether the tile loop accumulates Oᵀ [dv_pad][rows_pad] (in w.ot; attend transposes it
+// into w.o at the end) rather than O: where V can be the broadcast operand of P·V (fp32 V,
+// and bf16 V as key pairs outside sage), Oᵀ += Vᵀ · Pᵀ has the shape of Sᵀ = K · Qᵀ (rows
+// along the lanes, V rows read once in address order) and runs 7-8% faster than O's tall
+// tiles. The products and their order per output are the same, so the results too.
+template <DType T, DType TK>
+bool AttentionTask<T, TK>::o_transposed(const RowBlock& rb) const {
+  return !rb.mode->key_blocks && !plan_.int8 && (rb.mode->pv_bf16 || !rb.mode->v_split_bf16);
 }
 
 // O *= alpha, row by row, where the running max moved.
 template <DType T, DType TK>
 void AttentionTask<T, TK>::rescale_output(const RowBlock& rb, const Workspace& w) const {
+  if (o_transposed(rb)) {  // Oᵀ's columns times alpha, unless no row's max moved
+    const int64_t ld = plan_.rows_pad;
+    bool moved = false;
+    for (int64_t r = 0; r < rb.rows; ++r) moved |= w.alpha[r] != 1.0f;
+    if (!moved) return;
+    for (int64_t c = 0; c < ld; c += kLanes) {
+      const vfloat a = vload(w.alpha + c);
+      for (int64_t d = 0; d < plan_.dv_pad; ++d) vstore(w.ot + d * ld + c, vload(w.ot + d * ld + c) * a);
+    }
+    return;
+  }
   for (int64_t r = 0; r < rb.rows; ++r) {
     if (w.alpha[r] != 1.0f) scale_row(w.o + r * plan_.dv_pad, plan_.dv_pad, w.alpha[r]);
   }
@@ -84,7 +123,12 @@ void AttentionTask<T, TK>::accumulate_pv(const RowBlock& rb, const KvRows<EK>& v
   // address order), the tile loop tall ones.
   auto gemm_pv = [&](const auto* v, int64_t ldv, int64_t first, int64_t n) {
     const float* pf = p.s + first * p.key_stride;
-    if (rb.mode->key_blocks) {
+    if (o_transposed(rb)) {  // Oᵀ += Vᵀ · Pᵀ (V is fp32 here)
+      if constexpr (std::is_same_v<std::remove_cv_t<std::remove_pointer_t<decltype(v)>>, float>) {
+        gemm<kWideRows, kWideVecs>(plan_.dv_pad, plan_.rows_pad, n, v, 1, ldv, pf, p.key_stride, w.ot,
+                                   plan_.rows_pad, true);
+      }
+    } else if (rb.mode->key_blocks) {
       gemm<kRowRows, kRowVecs>(rb.rows, plan_.dv_pad, n, pf, p.row_stride, p.key_stride, v, ldv, w.o,
                                plan_.dv_pad, true);
     } else {

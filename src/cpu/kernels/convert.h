@@ -233,6 +233,21 @@ inline vuint round_to_bf16_bits(vfloat x, uint32_t nan_bits) {
 
 inline constexpr uint32_t kBf16QuietNan = 0x7FC0;  // bf16 pairs of P and V: NaN stays NaN
 
+// (lo[i], hi[i]) rounded to bf16 as round_to_bf16_bits(·, kBf16QuietNan) in lane i, lo in
+// the low half; for the softmax's P. With AVX512_BF16 one conversion and one permute: a
+// NaN stays a NaN (sign and payload kept, quieted) and subnormal inputs flush to zero
+// (P never is one: vexp2 returns 0 below 2^-126).
+inline vuint bf16_pairs(vfloat lo, vfloat hi) {
+#if defined(ATTNKIT_ISA_avx512bf16)
+  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh((__m512)hi, (__m512)lo);  // lo's in words 0..15
+  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                         6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return (vuint)_mm512_permutexvar_epi16(order, both);
+#else
+  return round_to_bf16_bits(lo, kBf16QuietNan) | (round_to_bf16_bits(hi, kBf16QuietNan) << 16);
+#endif
+}
+
 // Rows 2i and 2i + 1 of an n-row fp32 matrix (rows of ld floats, ld a multiple of kLanes)
 // rounded to bf16 and paired into row i of dst, rows of ld pairs; an odd last row pairs with
 // zeros. dst may be src: each vector is read before its place is written.

@@ -18,6 +18,11 @@
 
 namespace attnkit::cpu::ATTNKIT_ISA {
 
+// The register tile of attention's Sᵀ = K · Qᵀ on pairs: a task's 48 rows are 3 vectors of
+// columns, and 8 keys × 3 give 24 accumulators (4 × 3 left vdpbf16ps's latency exposed:
+// 10% slower on Zen 5).
+inline constexpr int kDotWideRows = 8, kDotWideVecs = 3;
+
 // bf16 pairs (lo, hi): each fp32 lane adds a.lo·b.lo + a.hi·b.hi.
 struct Bf16PairsDot {
   using Acc = __m512;

@@ -5,7 +5,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
+#include "cpu/kernels/convert.h"
 #include "cpu/kernels/simd.h"
 
 namespace attnkit::cpu::ATTNKIT_ISA {
@@ -17,26 +19,85 @@ inline constexpr float kLog2e = 1.4426950408889634f;
 // masked, so each vector holds one key for kLanes rows and no horizontal reduction is
 // needed. Overwrites the tile with P = e^(s - m_new) and writes alpha[r] = e^(m - m_new),
 // the factor by which row r's output accumulator must be rescaled.
-inline void online_softmax_tile(float* st, int64_t n_keys, int64_t ld, int64_t n_rows, float* m,
-                                float* l, float* alpha) {
-  for (int64_t r = 0; r < n_rows; r += kLanes) {
-    const vfloat m_old = vload(m + r);
-    vfloat m_new = m_old;
-    for (int64_t j = 0; j < n_keys; ++j) m_new = vmax(m_new, vload(st + j * ld + r));
-    // Rows that have seen no visible key yet keep m = -inf; exponentiate them against 0
-    // so that P = e^-inf = 0 rather than NaN.
-    const vfloat m_ref = m_new == -INFINITY ? vfloat{} : m_new;
-    vfloat sum{};
-    for (int64_t j = 0; j < n_keys; ++j) {
-      const vfloat p = vexp2((vload(st + j * ld + r) - m_ref) * kLog2e);
-      vstore(st + j * ld + r, p);
-      sum += p;
-    }
-    const vfloat a = vexp2((m_old - m_ref) * kLog2e);
-    vstore(alpha + r, a);
-    vstore(l + r, vload(l + r) * a + sum);
-    vstore(m + r, m_new);
+// Up to 4 vectors of rows go down the keys together: their max and sum chains are
+// independent, so they overlap (one vector at a time was bound by those chains' latency);
+// each row's arithmetic and summation order are those of one vector alone.
+// kBf16Pairs: the bf16 P·V's form. The tile holds unscaled scores s (times `scale` > 0 here,
+// as the same products a separate pass would store) and P comes out rounded to bf16 and
+// paired along the keys in place (pair row i of keys 2i, 2i + 1, as pair_rows_bf16; an odd
+// last key pairs with zero); the sums keep the fp32 P.
+template <int G, bool kBf16Pairs>
+inline void online_softmax_rows_of(float* st, int64_t n_keys, int64_t ld, float scale, float* m, float* l,
+                                   float* alpha) {
+  const vfloat vscale = vbroadcast(scale);
+  auto score = [&](int64_t j, int g) {
+    const vfloat s = vload(st + j * ld + g * kLanes);
+    return kBf16Pairs ? s * vscale : s;
+  };
+  vfloat m_old[G], m_new[G], m_ref[G], sum[G];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) m_old[g] = m_new[g] = vload(m + g * kLanes);
+  for (int64_t j = 0; j < n_keys; ++j) {
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) m_new[g] = vmax(m_new[g], score(j, g));
   }
+  // Rows that have seen no visible key yet keep m = -inf; exponentiate them against 0
+  // so that P = e^-inf = 0 rather than NaN.
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) m_ref[g] = m_new[g] == -INFINITY ? vfloat{} : m_new[g], sum[g] = vfloat{};
+  if constexpr (kBf16Pairs) {
+    for (int64_t j = 0; j < n_keys; j += 2) {
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) {
+        const vfloat lo = vexp2((score(j, g) - m_ref[g]) * kLog2e);
+        const vfloat hi = j + 1 < n_keys ? vexp2((score(j + 1, g) - m_ref[g]) * kLog2e) : vfloat{};
+        sum[g] += lo;
+        sum[g] += hi;
+        const vuint pair = bf16_pairs(lo, hi);
+        std::memcpy(st + j / 2 * ld + g * kLanes, &pair, sizeof pair);  // rows j, j + 1 are read
+      }
+    }
+  } else {
+    for (int64_t j = 0; j < n_keys; ++j) {
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) {
+        const vfloat p = vexp2((score(j, g) - m_ref[g]) * kLog2e);
+        vstore(st + j * ld + g * kLanes, p);
+        sum[g] += p;
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) {
+    const vfloat a = vexp2((m_old[g] - m_ref[g]) * kLog2e);
+    vstore(alpha + g * kLanes, a);
+    vstore(l + g * kLanes, vload(l + g * kLanes) * a + sum[g]);
+    vstore(m + g * kLanes, m_new[g]);
+  }
+}
+template <bool kBf16Pairs>
+inline void online_softmax_tile_of(float* st, int64_t n_keys, int64_t ld, int64_t n_rows, float scale, float* m,
+                                   float* l, float* alpha) {
+  int64_t r = 0;
+  for (; r + 4 * kLanes <= n_rows; r += 4 * kLanes)
+    online_softmax_rows_of<4, kBf16Pairs>(st + r, n_keys, ld, scale, m + r, l + r, alpha + r);
+  switch ((n_rows - r) / kLanes) {
+    case 3:
+      return online_softmax_rows_of<3, kBf16Pairs>(st + r, n_keys, ld, scale, m + r, l + r, alpha + r);
+    case 2:
+      return online_softmax_rows_of<2, kBf16Pairs>(st + r, n_keys, ld, scale, m + r, l + r, alpha + r);
+    case 1:
+      return online_softmax_rows_of<1, kBf16Pairs>(st + r, n_keys, ld, scale, m + r, l + r, alpha + r);
+  }
+}
+inline void online_softmax_tile(float* st, int64_t n_keys, int64_t ld, int64_t n_rows, float* m, float* l,
+                                float* alpha) {
+  online_softmax_tile_of<false>(st, n_keys, ld, n_rows, 1.0f, m, l, alpha);
+}
+// The kBf16Pairs form: st holds unscaled scores, scale > 0 and finite; P as bf16 pairs of keys.
+inline void online_softmax_tile_bf16_pairs(float* st, int64_t n_keys, int64_t ld, int64_t n_rows, float scale,
+                                           float* m, float* l, float* alpha) {
+  online_softmax_tile_of<true>(st, n_keys, ld, n_rows, scale, m, l, alpha);
 }
 
 // The same update for a row-major tile s[r * ld + j], keys j < n_keys (a multiple of
