@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from .attention_op import AttentionOp, AttnInputs, _as_f32, _check
+from .attention_op import AttentionOp, AttnInputs, _as_f32, _check, exact_peak_of
 from .registry import Check, Contender, Counts, optional_torch, register
 
 # |got - ref| <= atol · max|ref| + rtol · |ref| per gradient (as tests/python/test_attention_backward.py)
@@ -107,14 +107,9 @@ class BackwardOp(AttentionOp):
     default_shapes = ("A",)
 
     def peak_of(self, row):
-        # bf16 on avx512bf16: attnkit's five products (and its forward's two) run on
-        # vdpbf16ps, as torch's oneDNN gemms do.
-        import attnkit
-
-        from .machine import INSTRUCTION_PEAK
-        if row.case.dtype == "bfloat16" and attnkit.get_isa() == "avx512bf16":
-            return "bf16 dot", INSTRUCTION_PEAK["bf16 dot"]
-        return "fp32 FMA", 1.0
+        # As exact attention's rows: bf16 on the variant's bf16 instruction (attnkit's five
+        # products and its forward's two; torch's oneDNN gemms), else fp32 FMAs.
+        return exact_peak_of(row)
 
     def counts(self, case):
         base = super().counts(case)
