@@ -3,6 +3,8 @@
 // aliasing with any input or each other), then the params block for the kernel.
 #include "attnkit/attention_backward.h"
 
+#include <algorithm>
+
 #include <string>
 #include <utility>
 #include <vector>
@@ -102,6 +104,17 @@ void attention_backward(const AttentionBackwardArgs& a) {
     for (int d = 0; d < 3; ++d) p.dlse_stride[d] = a.dlse->strides[d];
   }
   if (a.dsinks) p.dsinks = static_cast<float*>(a.dsinks->data), p.dsinks_stride = a.dsinks->strides[0];
+  // Empty queries (Sq = 0) or keys (Skv = 0) are never read or written, and their data may
+  // be null (an empty torch tensor's is): zero strides keep the kernel from forming offsets
+  // from it, as the forward does for empty K/V.
+  if (p.fwd.Sq == 0) {
+    for (int64_t* s : {p.fwd.q_stride, p.fwd.out_stride, p.dout_stride, p.dq_stride}) std::fill(s, s + 4, 0);
+    std::fill(p.fwd.lse_stride, p.fwd.lse_stride + 3, 0);
+    std::fill(p.dlse_stride, p.dlse_stride + 3, 0);
+  }
+  if (p.fwd.Skv == 0) {
+    for (int64_t* s : {p.dk_stride, p.dv_stride}) std::fill(s, s + 4, 0);
+  }
   const AttentionParams& f = p.fwd;
   if (f.B == 0 || (f.Hq == 0 && f.Hkv == 0)) {  // nothing to write but the sinks' zero gradient
     for (int64_t h = 0; p.dsinks && h < f.Hq; ++h) p.dsinks[h * p.dsinks_stride] = 0.0f;

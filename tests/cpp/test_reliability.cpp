@@ -219,6 +219,33 @@ TEST(Reliability, VarlenEmptyKeysWithNullData) {
   }
 }
 
+// The backward with no queries (Sq = 0, found by the fuzzer): q, out, dout and dq are empty
+// with null data and arbitrary strides (negative ones included); nothing may be formed from
+// them, and dK and dV come out zero.
+TEST(Reliability, BackwardEmptyQueriesWithNullData) {
+  IsaGuard guard;
+  std::vector<float> k = randn(2 * 31 * 8, 7), v = randn(2 * 31 * 8, 8);
+  std::vector<float> lse_storage(1);
+  for (const std::string& isa : supported_isas()) {
+    set_isa(isa);
+    std::vector<float> dk(k.size(), NAN), dv(v.size(), NAN);
+    AttentionBackwardArgs a;
+    a.q = TensorView(nullptr, DType::float32, {2, 3, 0, 8}, {-1, 2, 0, 3});
+    a.k = TensorView(k.data(), DType::float32, {2, 1, 31, 8});
+    a.v = TensorView(v.data(), DType::float32, {2, 1, 31, 8});
+    a.out = TensorView(nullptr, DType::float32, {2, 3, 0, 8}, {-1, 2, 0, 3});
+    a.lse = TensorView(lse_storage.data(), DType::float32, {2, 3, 0});
+    a.dout = TensorView(nullptr, DType::float32, {2, 3, 0, 8}, {-1, 2, 0, 3});
+    a.dq = TensorView(nullptr, DType::float32, {2, 3, 0, 8});
+    a.dk = TensorView(dk.data(), DType::float32, {2, 1, 31, 8});
+    a.dv = TensorView(dv.data(), DType::float32, {2, 1, 31, 8});
+    a.enable_gqa = true;
+    attention_backward(a);
+    for (float x : dk) EXPECT_EQ(x, 0.0f) << isa;
+    for (float x : dv) EXPECT_EQ(x, 0.0f) << isa;
+  }
+}
+
 std::vector<uint16_t> to_bf16(const std::vector<float>& x) {
   std::vector<uint16_t> r(x.size());
   for (size_t i = 0; i < x.size(); ++i) r[i] = float_to_bfloat16(x[i]);
