@@ -20,11 +20,9 @@ tensors off the CPU, head dims over 512), with a warning once.
 
 import enum
 
-import torch
-
 import attnkit
 from attnkit._warn import WarnOnce
-from attnkit.integrations._training import dropout_seed, needs_backward
+from attnkit.integrations._shared import dropout_seed, needs_backward, uncomputable_reason
 
 EXACT = "attnkit"
 SAGE = "attnkit_sage"
@@ -34,12 +32,9 @@ _warn_once = WarnOnce("attnkit's diffusers backend", "using diffusers' native ba
 
 def _native_reason(query, key, value, attn_mask, has_backward):
     tensors = [query, key, value] + ([attn_mask] if attn_mask is not None else [])
-    if any(t.device.type != "cpu" for t in tensors):
-        return f"tensors on {query.device.type}"
-    if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        return f"dtype {str(query.dtype).removeprefix('torch.')}"
-    if query.shape[-1] > 512 or value.shape[-1] > 512:
-        return "head dim over 512"
+    reason = uncomputable_reason(query, value, tensors)
+    if reason is not None:
+        return reason
     if not has_backward and needs_backward(*tensors):
         return "inputs require grad and attnkit_sage has no backward"
     return None

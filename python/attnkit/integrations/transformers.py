@@ -24,7 +24,7 @@ import torch
 
 import attnkit
 from attnkit._warn import WarnOnce
-from attnkit.integrations._training import dropout_seed, needs_backward
+from attnkit.integrations._shared import dropout_seed, needs_backward, uncomputable_reason
 
 NAME = "attnkit"
 
@@ -40,13 +40,7 @@ def _stock_reason(query, key, value, attention_mask, kwargs):
     if kwargs.get("position_bias") is not None:
         return "position_bias"
     tensors = [query, key, value] + ([attention_mask] if isinstance(attention_mask, torch.Tensor) else [])
-    if any(t.device.type != "cpu" for t in tensors):
-        return f"tensors on {query.device.type}"
-    if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        return f"dtype {str(query.dtype).removeprefix('torch.')}"
-    if query.shape[-1] > 512 or value.shape[-1] > 512:
-        return "head dim over 512"
-    return None
+    return uncomputable_reason(query, value, tensors)
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
