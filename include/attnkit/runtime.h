@@ -41,12 +41,15 @@ class ScopedInterruptPoll {
 // Kernel variants by instruction set. The one fastest on this CPU is chosen at load: the
 // widest it supports, except that on Intel family-6 CPUs (Sapphire/Emerald Rapids, ...),
 // whose vdpbf16ps runs at half the fp32 FMA rate, avx512vnni comes before avx512bf16 (see
-// isa_rule). ATTNKIT_ISA=avx512bf16|avx512vnni|avx512|avx2|generic overrides it (a value
+// isa_rule); avx512amx comes first where the CPU and the OS allow AMX tiles.
+// ATTNKIT_ISA=avx512amx|avx512bf16|avx512vnni|avx512|avx2|generic overrides it (a value
 // naming no variant runnable here is reported once on stderr and the default used), and so
 // does set_isa. An op reads the choice once when it starts, so set_isa never affects a
 // running op. avx512bf16 is avx512 plus vdpbf16ps for bf16 inputs (exact bf16 products, fp32
 // sums) and vpdpbusd for int8 Sage; avx512vnni is avx512 (bf16 converted to fp32 for FMAs)
-// with avx512bf16's int8 Sage; both need a CPU with AVX512_BF16 and AVX512_VNNI.
+// with avx512bf16's int8 Sage; both need a CPU with AVX512_BF16 and AVX512_VNNI. avx512amx
+// runs the bf16 tile loop's Q·Kᵀ and P·V (and sage's P·V) on AMX tiles (tdpbf16ps: the same
+// exact bf16 products and fp32 sums) and the rest as the best variant without AMX.
 std::string active_isa();
 std::vector<std::string> supported_isas();  // built and runnable here, best first
 void set_isa(const std::string& name);       // throws Error if not supported here

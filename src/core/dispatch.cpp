@@ -13,6 +13,10 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "attnkit/error.h"
 #include "attnkit/runtime.h"
@@ -84,10 +88,47 @@ const cpu::KernelTable avx512vnni_table = [] {
 }();
 #endif
 
-// Best first for this CPU: avx512vnni before avx512bf16 where the bf16 rule holds.
+#if ATTNKIT_HAVE_AVX512AMX
+// AMX tiles need the kernel's leave to use their 8 KB of state (Linux 5.16+: arch_prctl
+// ARCH_REQ_XCOMP_PERM for XTILEDATA, once per process); without it the first tile
+// instruction faults.
+bool os_allows_amx() {
+#if defined(__linux__) && defined(SYS_arch_prctl)
+  static const bool allowed = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return allowed;
+#else
+  return false;
+#endif
+}
+
+bool avx512amx_runnable() {
+  return avx512bf16_runnable() && cpu_has("amx-tile") && cpu_has("amx-bf16") && cpu_has("amx-int8") &&
+         os_allows_amx();
+}
+
+// avx512amx: the bf16 tile loop (dense, varlen and paged prefill) and sage's P·V with both
+// products on AMX tiles; every other entry as the best variant without AMX (avx512vnni's on
+// the CPUs of the bf16 rule, which all AMX CPUs so far are, else avx512bf16's).
+const cpu::KernelTable avx512amx_table = [] {
+  cpu::KernelTable t = bf16_dot_slower_than_fma(cpu_id()) ? avx512vnni_table : cpu::avx512bf16::kernel_table;
+  t.isa = "avx512amx";
+  t.attention_fwd = cpu::avx512amx::kernel_table.attention_fwd;
+  t.sage_int8_fwd = cpu::avx512amx::kernel_table.sage_int8_fwd;
+  return t;
+}();
+#endif
+
+// Best first for this CPU: avx512amx where it runs, then avx512vnni before avx512bf16
+// where the bf16 rule holds.
 const std::vector<Variant>& variants() {
   static const std::vector<Variant> all = [] {
     std::vector<Variant> v;
+#if ATTNKIT_HAVE_AVX512AMX
+    v.push_back({&avx512amx_table, &cpu::avx512amx::probe_table, &avx512amx_runnable});
+#endif
 #if ATTNKIT_HAVE_AVX512BF16
     const Variant bf16{&cpu::avx512bf16::kernel_table, &cpu::avx512bf16::probe_table, &avx512bf16_runnable};
     const Variant vnni{&avx512vnni_table, &cpu::avx512bf16::probe_table, &avx512bf16_runnable};
@@ -131,6 +172,8 @@ bool cpu_has(const char* feature) {
   if (f == "avx512fp16") return __builtin_cpu_supports("avx512fp16");
   if (f == "avx512vnni") return __builtin_cpu_supports("avx512vnni");
   if (f == "amx-tile") return __builtin_cpu_supports("amx-tile");
+  if (f == "amx-bf16") return __builtin_cpu_supports("amx-bf16");
+  if (f == "amx-int8") return __builtin_cpu_supports("amx-int8");
 #endif
   (void)feature;
   return false;
@@ -218,6 +261,11 @@ std::string isa_rule() {
   for (const Variant& v : variants()) {
     if (!v.runnable()) continue;
     const std::string name = v.table->isa;
+    if (name == "avx512amx") {
+      return name + ": " + describe(id) +
+             " has AMX tiles, so the bf16 tile loop runs both products on tdpbf16ps" +
+             (bf16_dot_slower_than_fma(id) ? "; other bf16 paths as avx512vnni (Intel family 6)" : "");
+    }
     if (name == "avx512vnni") {
       return name + ": " + describe(id) +
              " runs vdpbf16ps at about half the fp32 FMA rate (Intel family 6), so bf16 inputs are "
@@ -235,7 +283,8 @@ std::string isa_rule() {
 std::string cpu_features() {
   std::string out;
   for (const char* f : {"avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl",
-                        "avx512dq", "avx512bf16", "avx512fp16", "avx512vnni", "amx-tile"}) {
+                        "avx512dq", "avx512bf16", "avx512fp16", "avx512vnni", "amx-tile", "amx-bf16",
+                        "amx-int8"}) {
     if (cpu_has(f)) out += (out.empty() ? "" : " ") + std::string(f);
   }
   return out;

@@ -13,6 +13,9 @@ std::string version() { return ATTNKIT_VERSION; }
 
 std::string build_info() {
   std::string isas;
+#if ATTNKIT_HAVE_AVX512AMX
+  isas += "avx512amx ";
+#endif
 #if ATTNKIT_HAVE_AVX512BF16
   isas += "avx512bf16 avx512vnni ";
 #endif

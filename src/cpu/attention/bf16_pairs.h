@@ -11,6 +11,7 @@
 #include "cpu/attention/task.h"
 #include "cpu/kernels/convert.h"
 #include "cpu/kernels/dot.h"
+#include "cpu/kernels/gemm_amx.h"
 #include "cpu/kernels/gemm_dot.h"
 
 namespace attnkit::cpu::ATTNKIT_ISA::fwd {
@@ -41,6 +42,9 @@ void AttentionTask<T, TK>::pack_qt_pairs(const RowBlock& rb, const Workspace& w)
 template <DType T, DType TK>
 void AttentionTask<T, TK>::qk_bf16(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t bc,
                                    const Workspace& w) const {
+#if defined(ATTNKIT_ISA_avx512amx)
+  if (plan_.amx) return qk_amx(krows, rb.mode->k_in_place, j0, bc, w);
+#endif
   const int64_t pairs = (p_.D + 1) / 2, ld = plan_.rows_pad;
   const uint32_t* qt = reinterpret_cast<const uint32_t*>(w.qt);
   if (rb.mode->k_in_place) {
@@ -64,24 +68,12 @@ void AttentionTask<T, TK>::pv_bf16(const RowBlock& rb, const KvRows<EK>& vrows, 
   const int64_t ld = plan_.rows_pad, dv_pad = plan_.dv_pad, pairs = (bc + 1) / 2;
   uint32_t* pp = reinterpret_cast<uint32_t*>(w.st);
   if (!p_paired) pair_rows_bf16(w.st, bc, ld, pp);
+#if defined(ATTNKIT_ISA_avx512amx)
+  if (plan_.amx) return pv_amx(rb, vrows, pp, j0, bc, w);
+#endif
   uint32_t* vp = reinterpret_cast<uint32_t*>(w.v);
-  if (!v_pairs_) {  // bf16 V (EK is bf16 here): a lone last key pairs with a zero row (its P is zero too)
-    vrows.for_each_run(j0, bc, [&](const EK* v, int64_t first, int64_t n) {
-      const uint16_t* a = reinterpret_cast<const uint16_t*>(v);
-      for (int64_t j = first; j < first + n; ++j, a += vrows.stride) {
-        // The rows of a pair may lie in different pages: a pair's second row that starts
-        // a run is added to the pair its first row left half empty.
-        uint32_t* dst = vp + j / 2 * dv_pad;  // j counts from the tile's first key
-        if (j % 2 == 0) {
-          const bool second_here = j + 1 < first + n;
-          interleave_bf16_rows(a, second_here ? a + vrows.stride : nullptr, p_.v_stride[3], p_.Dv, dv_pad,
-                               dst);
-          if (second_here) ++j, a += vrows.stride;
-        } else {
-          for (int64_t d = 0; d < p_.Dv; ++d) dst[d] |= uint32_t{a[d * p_.v_stride[3]]} << 16;
-        }
-      }
-    });
+  if (!v_pairs_) {
+    interleave_v_tile(vrows, j0, bc, vp);
     pv_pairs(rb, pp, vp, pairs, w);
     return;
   }
@@ -94,6 +86,91 @@ void AttentionTask<T, TK>::pv_bf16(const RowBlock& rb, const KvRows<EK>& vrows, 
     pv_pairs(rb, pp + full * ld, vp, 1, w);
   }
 }
+
+// bf16 V rows j0 .. j0+bc-1 (EK is bf16 here) as pairs of consecutive keys into vp
+// [pairs][dv_pad]; a lone last key pairs with a zero row (its P is zero too).
+template <DType T, DType TK>
+void AttentionTask<T, TK>::interleave_v_tile(const KvRows<EK>& vrows, int64_t j0, int64_t bc, uint32_t* vp) const {
+  const int64_t dv_pad = plan_.dv_pad;
+  vrows.for_each_run(j0, bc, [&](const EK* v, int64_t first, int64_t n) {
+    const uint16_t* a = reinterpret_cast<const uint16_t*>(v);
+    for (int64_t j = first; j < first + n; ++j, a += vrows.stride) {
+      // The rows of a pair may lie in different pages: a pair's second row that starts
+      // a run is added to the pair its first row left half empty.
+      uint32_t* dst = vp + j / 2 * dv_pad;  // j counts from the tile's first key
+      if (j % 2 == 0) {
+        const bool second_here = j + 1 < first + n;
+        interleave_bf16_rows(a, second_here ? a + vrows.stride : nullptr, p_.v_stride[3], p_.Dv, dv_pad, dst);
+        if (second_here) ++j, a += vrows.stride;
+      } else {
+        for (int64_t d = 0; d < p_.Dv; ++d) dst[d] |= uint32_t{a[d * p_.v_stride[3]]} << 16;
+      }
+    }
+  });
+}
+
+#if defined(ATTNKIT_ISA_avx512amx)
+// Sᵀ = K · Qᵀ on AMX tiles, 16 keys at a time, unscaled: K rows in place where 16 of them lie
+// in one run and their pairs fill whole tiles, else staged as zero-padded pairs in w.k. It
+// writes whole tiles, so up to 15 score rows past bc (kScoreRows leaves room for them).
+template <DType T, DType TK>
+void AttentionTask<T, TK>::qk_amx(const KvRows<EK>& krows, bool k_in_place, int64_t j0, int64_t bc,
+                                  const Workspace& w) const {
+  const int64_t pairs = (p_.D + 1) / 2, kp = round_up(pairs, kAmxTile), ld = plan_.rows_pad;
+  const uint32_t* qt = reinterpret_cast<const uint32_t*>(w.qt);  // [kp][ld], zero past D
+  const bool in_place = k_in_place && pairs == kp;
+  for (int64_t j = 0; j < bc;) {
+    const int64_t run = krows.run_end(j0 + j, j0 + bc) - (j0 + j);
+    const int64_t whole = in_place ? run / kAmxTile * kAmxTile : 0;
+    if (whole > 0) {
+      gemm_amx_bf16(whole, ld, kp, reinterpret_cast<const uint32_t*>(krows.row(j0 + j)), krows.stride / 2, qt, ld,
+                    w.st + j * ld, ld, false);
+      j += whole;
+      continue;
+    }
+    const int64_t n = bc - j < kAmxTile ? bc - j : kAmxTile;
+    uint32_t* staged = pack_key_pairs(krows, j0 + j, n, kp, w);
+    std::memset(staged + n * kp, 0, sizeof(uint32_t) * (kAmxTile - n) * kp);
+    gemm_amx_bf16(kAmxTile, ld, kp, staged, kp, qt, ld, w.st + j * ld, ld, false);
+    j += n;
+  }
+}
+
+// O += P · V on AMX tiles over the tile's key pairs, padded with zero pairs to whole tiles:
+// P's rows from its pairs pp [pair][row] transposed into w.k, V's pairs in place from the
+// prepared ones for whole tiles of pairs whose keys all lie in this tile, else interleaved
+// or copied into w.v (the pair of a lone last key keeps only that key's half).
+template <DType T, DType TK>
+void AttentionTask<T, TK>::pv_amx(const RowBlock& rb, const KvRows<EK>& vrows, uint32_t* pp, int64_t j0,
+                                  int64_t bc, const Workspace& w) const {
+  const int64_t ld = plan_.rows_pad, dv_pad = plan_.dv_pad, pairs = (bc + 1) / 2;
+  const int64_t kp = round_up(pairs, kAmxTile);
+  std::memset(pp + pairs * ld, 0, sizeof(uint32_t) * (kp - pairs) * ld);
+  uint32_t* p_rows = reinterpret_cast<uint32_t*>(w.k);  // [ld][kp]
+  transpose_matrix(reinterpret_cast<const float*>(pp), ld, kp, ld, reinterpret_cast<float*>(p_rows), kp);
+  uint32_t* vp = reinterpret_cast<uint32_t*>(w.v);
+  if (!v_pairs_) {
+    interleave_v_tile(vrows, j0, bc, vp);
+    std::memset(vp + pairs * dv_pad, 0, sizeof(uint32_t) * (kp - pairs) * dv_pad);
+    gemm_amx_bf16(ld, dv_pad, kp, p_rows, kp, vp, dv_pad, w.o, dv_pad, true);
+    return;
+  }
+  const int64_t head = rb.b * p_.Hkv + rb.kvh;
+  const uint32_t* prepared = v_pairs_ + (head * ((p_.Skv + 1) / 2) + j0 / 2) * dv_pad;
+  const int64_t in_place = bc / 2 / kAmxTile * kAmxTile;  // whole tiles of pairs of this tile's keys
+  if (in_place > 0) gemm_amx_bf16(ld, dv_pad, in_place, p_rows, kp, prepared, dv_pad, w.o, dv_pad, true);
+  if (in_place == kp) return;
+  const int64_t full = bc / 2;  // pairs whose two keys are both in the tile
+  std::memcpy(vp, prepared + in_place * dv_pad, sizeof(uint32_t) * (full - in_place) * dv_pad);
+  uint32_t* rest = vp + (full - in_place) * dv_pad;
+  if (bc % 2) {  // the last key alone: the pair's other key lies past the tile (mask, split)
+    for (int64_t d = 0; d < dv_pad; ++d) rest[d] = prepared[full * dv_pad + d] & 0xFFFFu;
+    rest += dv_pad;
+  }
+  std::memset(rest, 0, sizeof(uint32_t) * (kp - pairs) * dv_pad);
+  gemm_amx_bf16(ld, dv_pad, kp - in_place, p_rows + in_place, kp, vp, dv_pad, w.o, dv_pad, true);
+}
+#endif
 
 // O += P · V over `pairs` key pairs, P pairs [pairs][rows_pad], V pairs [pairs][dv_pad]: as
 // Oᵀ += Vᵀ · Pᵀ into w.ot where the tile loop accumulates Oᵀ (o_transposed), else O's tall tiles.

@@ -32,6 +32,14 @@ constexpr bool kDotProducts = true;
 #else
 constexpr bool kDotProducts = false;
 #endif
+// Whether this variant has AMX tiles for the tile loop's products on bf16 pairs (gemm_amx.h).
+#if defined(ATTNKIT_ISA_avx512amx)
+constexpr bool kAmxTiles = true;
+#else
+constexpr bool kAmxTiles = false;
+#endif
+// AMX writes Sᵀ in whole tiles of 16 keys: a tile's last keys may fill one past kKvTile.
+constexpr int64_t kScoreRows = kKvTile + (kAmxTiles ? 16 : 0);
 
 // K and V prepared once per call for sage int8 mode (prepare_sage): K smoothed by its
 // per-head mean over tokens (softmax is invariant to it; lse is corrected), then int8 with
@@ -89,6 +97,7 @@ struct Plan {
   int64_t tasks, slots;        // tasks: row blocks × their kv splits; slots: tasks of split row blocks
   std::vector<Sequence> seqs;  // heavy first
   int64_t rows_pad, d_pad, dv_pad, workspace_floats, partial_floats;
+  int64_t k_floats;          // the K tile's space (AMX also stages P's rows there)
   bool bf16_dot;             // bf16 inputs on avx512bf16: K·Qᵀ with vdpbf16ps
   bool fp8_pairs;            // bf16 queries over an fp8 cache on avx512bf16: decode's K rows
                              // converted exactly to bf16 pairs for vdpbf16ps
@@ -96,6 +105,7 @@ struct Plan {
   bool pv_int8;              // sage int8_pv_int8 mode: P·V on u8 P and s8 V codes too
   bool v_in_place;           // fp32 V rows with unit stride need no packing
   bool v_pairs;              // bf16 V prepared as key pairs once per call (prepare_v_pairs)
+  bool amx;                  // the tile loop's P·V on pairs (and bf16 Sᵀ) on AMX tiles (avx512amx)
   Mode tile;                 // row blocks of more rows
   Mode few[kLanes / 2 + 1];  // few[r]: row blocks of r rows, where key blocks pay
 
@@ -123,11 +133,13 @@ struct Plan {
     // Dense calls whose kv heads serve more than one task's rows: else each V tile is
     // interleaved into pairs about once anyway.
     v_pairs = tile.pv_bf16 && !int8 && !p.block_table && !p.kv_begin && p.Sq * p.group > kRowTarget;
+    amx = kAmxTiles && tile.pv_bf16;
+    k_floats = std::max(kKvTile * d_pad, amx ? rows_pad * kKvTile / 2 : 0);
     for (int64_t r = 1; r <= kLanes / 2; ++r) few[r] = make_mode(p, r, !int8 && r <= kMaxDotRows);
     workspace_floats = d_pad * rows_pad        // Qᵀ (or Q rows), scaled
                        + rows_pad * dv_pad     // output accumulators
-                       + kKvTile * rows_pad    // Sᵀ, then Pᵀ
-                       + kKvTile * d_pad       // K tile (when packed)
+                       + kScoreRows * rows_pad  // Sᵀ, then Pᵀ
+                       + k_floats              // K tile (when packed)
                        + kKvTile * dv_pad      // V tile (when packed)
                        + 8 * rows_pad          // running max, sum, rescale; int8 q scale, sum;
                                                // sage's row shift; ALiBi slope, distance
@@ -244,8 +256,8 @@ struct Workspace {
     qt = base;
     o = qt + plan.d_pad * plan.rows_pad;
     st = o + plan.rows_pad * plan.dv_pad;
-    k = st + kKvTile * plan.rows_pad;
-    v = k + kKvTile * plan.d_pad;
+    k = st + kScoreRows * plan.rows_pad;
+    v = k + plan.k_floats;
     m = v + kKvTile * plan.dv_pad;
     l = m + plan.rows_pad;
     alpha = l + plan.rows_pad;

@@ -203,6 +203,7 @@ class AttentionTask {
   void pv_bf16(const RowBlock& rb, const KvRows<EK>& vrows, int64_t j0, int64_t bc, bool p_paired,
                const Workspace& w) const;
   void pv_pairs(const RowBlock& rb, const uint32_t* pp, const uint32_t* vp, int64_t pairs, const Workspace& w) const;
+  void interleave_v_tile(const KvRows<EK>& vrows, int64_t j0, int64_t bc, uint32_t* vp) const;
   void pack_q_row_pairs(const RowBlock& rb, const Workspace& w) const;
   void qk_rows_bf16(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t n, bool in_place,
                     float* s, int64_t lds, const Workspace& w) const;
@@ -213,6 +214,11 @@ class AttentionTask {
                            const Workspace& w) const;
   uint32_t* pack_fp8_key_pairs(const KvRows<EK>& krows, int64_t j0, int64_t n, int64_t ld,
                                const Workspace& w) const;
+#endif
+#if defined(ATTNKIT_ISA_avx512amx)
+  void qk_amx(const KvRows<EK>& krows, bool k_in_place, int64_t j0, int64_t bc, const Workspace& w) const;
+  void pv_amx(const RowBlock& rb, const KvRows<EK>& vrows, uint32_t* pp, int64_t j0, int64_t bc,
+              const Workspace& w) const;
 #endif
 
   // Masks, score modifiers and dropout on a tile of scores (scores.h).

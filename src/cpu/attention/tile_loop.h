@@ -13,6 +13,7 @@
 
 #include "cpu/attention/task.h"
 #include "cpu/kernels/gemm.h"
+#include "cpu/kernels/gemm_amx.h"
 #include "cpu/kernels/softmax.h"
 #include "cpu/kernels/workspace.h"
 
@@ -22,6 +23,9 @@ namespace attnkit::cpu::ATTNKIT_ISA::fwd {
 template <DType T, DType TK>
 void AttentionTask<T, TK>::attend(const RowBlock& rb, int64_t begin, int64_t end, const Workspace& w) const {
   if (rb.mode->key_blocks) return attend_rows(rb, begin, end, w);
+#if defined(ATTNKIT_ISA_avx512amx)
+  if (plan_.amx) amx_configure();
+#endif
   const int64_t ld = plan_.rows_pad;
   const Scores scores{w.st, ld, 1};
   if (plan_.int8) {
@@ -35,7 +39,7 @@ void AttentionTask<T, TK>::attend(const RowBlock& rb, int64_t begin, int64_t end
   if (transposed) {
     std::memset(w.ot, 0, sizeof(float) * plan_.dv_pad * ld);
   } else {
-    std::memset(w.o, 0, sizeof(float) * rb.rows * plan_.dv_pad);
+    std::memset(w.o, 0, sizeof(float) * (plan_.amx ? ld : rb.rows) * plan_.dv_pad);  // AMX writes whole tiles
   }
   for (int64_t r = 0; r < ld; ++r) w.m[r] = -INFINITY, w.l[r] = 0.0f;
 
@@ -89,10 +93,11 @@ void AttentionTask<T, TK>::attend(const RowBlock& rb, int64_t begin, int64_t end
 // into w.o at the end) rather than O: where V can be the broadcast operand of P·V (fp32 V,
 // and bf16 V as key pairs outside sage), Oᵀ += Vᵀ · Pᵀ has the shape of Sᵀ = K · Qᵀ (rows
 // along the lanes, V rows read once in address order) and runs 7-8% faster than O's tall
-// tiles. The products and their order per output are the same, so the results too.
+// tiles. The products and their order per output are the same, so the results too. AMX
+// tiles take P as rows and V as pairs, so they accumulate O.
 template <DType T, DType TK>
 bool AttentionTask<T, TK>::o_transposed(const RowBlock& rb) const {
-  return !rb.mode->key_blocks && !plan_.int8 && (rb.mode->pv_bf16 || !rb.mode->v_split_bf16);
+  return !rb.mode->key_blocks && !plan_.int8 && !plan_.amx && (rb.mode->pv_bf16 || !rb.mode->v_split_bf16);
 }
 
 // O *= alpha, row by row, where the running max moved.

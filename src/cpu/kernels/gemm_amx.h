@@ -1,0 +1,94 @@
+// The AMX micro-kernel of avx512amx: C (+)= A · B on tiles, bf16 pairs along the reduction
+// (tdpbf16ps: a 16 × 16 fp32 tile adds, per output, 16 pair products; products exact and
+// sums in fp32, as vdpbf16ps). On the Xeon with AMX seen here it runs about 16 times the
+// fp32 FMA rate, so next to it the softmax's vector work is what costs.
+// Shapes are whole tiles: M and N multiples of 16, K a multiple of 16 pairs (callers pad).
+// Only the avx512amx variant compiles it.
+#pragma once
+
+#if defined(ATTNKIT_ISA_avx512amx)
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace attnkit::cpu::ATTNKIT_ISA {
+
+inline constexpr int64_t kAmxTile = 16;  // rows of every tile, and fp32 columns or pairs per row
+
+// All eight tiles as 16 rows × 64 bytes. The configuration is per thread and other code on
+// the thread (another library's AMX kernels) may change it, so every driver that uses the
+// tiles loads it before its first tile instruction.
+inline void amx_configure() {
+  alignas(64) uint8_t config[64] = {};
+  config[0] = 1;  // palette 1
+  for (int t = 0; t < 8; ++t) {
+    config[16 + 2 * t] = 64;  // bytes per row (little-endian uint16)
+    config[48 + t] = 16;      // rows
+  }
+  _tile_loadconfig(config);
+}
+
+// One block of up to 2 × 2 output tiles: tiles 0-3 accumulate, 4-5 hold A, 6-7 B.
+template <bool kTwoRows, bool kTwoCols>
+void amx_block(int64_t k, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb, float* c, int64_t ldc,
+               bool accumulate) {
+  const int64_t sa = lda * 4, sb = ldb * 4, sc = ldc * 4;  // strides in bytes
+  float* c1 = c + kAmxTile * ldc;
+  if (accumulate) {
+    _tile_loadd(0, c, sc);
+    if constexpr (kTwoCols) _tile_loadd(1, c + kAmxTile, sc);
+    if constexpr (kTwoRows) _tile_loadd(2, c1, sc);
+    if constexpr (kTwoRows && kTwoCols) _tile_loadd(3, c1 + kAmxTile, sc);
+  } else {
+    _tile_zero(0);
+    if constexpr (kTwoCols) _tile_zero(1);
+    if constexpr (kTwoRows) _tile_zero(2);
+    if constexpr (kTwoRows && kTwoCols) _tile_zero(3);
+  }
+  for (int64_t p = 0; p < k; p += kAmxTile) {
+    _tile_loadd(4, a + p, sa);
+    _tile_loadd(6, b + p * ldb, sb);
+    if constexpr (kTwoCols) _tile_loadd(7, b + p * ldb + kAmxTile, sb);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (kTwoCols) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (kTwoRows) {
+      _tile_loadd(5, a + kAmxTile * lda + p, sa);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (kTwoCols) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, sc);
+  if constexpr (kTwoCols) _tile_stored(1, c + kAmxTile, sc);
+  if constexpr (kTwoRows) _tile_stored(2, c1, sc);
+  if constexpr (kTwoRows && kTwoCols) _tile_stored(3, c1 + kAmxTile, sc);
+}
+
+// c[m][n] (+)= Σ_p a[i][p] ⊙ b[p][n] on bf16 pairs: A row-major (row i at a + i * lda, pairs
+// contiguous), B [k][n] (pair row p at b + p * ldb), C fp32 row-major; strides in elements.
+// m, n multiples of 16, k of 16 pairs; amx_configure() must have run on this thread.
+inline void gemm_amx_bf16(int64_t m, int64_t n, int64_t k, const uint32_t* a, int64_t lda, const uint32_t* b,
+                          int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  for (int64_t i = 0; i < m; i += 2 * kAmxTile) {
+    const bool two_rows = i + kAmxTile < m;
+    for (int64_t j = 0; j < n; j += 2 * kAmxTile) {
+      const bool two_cols = j + kAmxTile < n;
+      const uint32_t* ai = a + i * lda;
+      const uint32_t* bj = b + j;
+      float* cij = c + i * ldc + j;
+      if (two_rows && two_cols) {
+        amx_block<true, true>(k, ai, lda, bj, ldb, cij, ldc, accumulate);
+      } else if (two_rows) {
+        amx_block<true, false>(k, ai, lda, bj, ldb, cij, ldc, accumulate);
+      } else if (two_cols) {
+        amx_block<false, true>(k, ai, lda, bj, ldb, cij, ldc, accumulate);
+      } else {
+        amx_block<false, false>(k, ai, lda, bj, ldb, cij, ldc, accumulate);
+      }
+    }
+  }
+}
+
+}  // namespace attnkit::cpu::ATTNKIT_ISA
+
+#endif  // ATTNKIT_ISA_avx512amx
