@@ -61,7 +61,8 @@ struct PeakInstruction {
 constexpr PeakInstruction kPeakInstructions[] = {{"fp32 FMA", &cpu::ProbeTable::fp32_fma},
                                                  {"vdpbf16ps", &cpu::ProbeTable::bf16_dot},
                                                  {"vpdpbusd", &cpu::ProbeTable::int8_dot},
-                                                 {"fp16 FMA", &cpu::ProbeTable::fp16_fma}};
+                                                 {"fp16 FMA", &cpu::ProbeTable::fp16_fma},
+                                                 {"tdpbf16ps", &cpu::ProbeTable::amx_bf16}};
 
 }  // namespace
 

@@ -43,6 +43,7 @@ struct ProbeTable {
   PeakLoop bf16_dot;  // vdpbf16ps
   PeakLoop int8_dot;  // vpdpbusd
   PeakLoop fp16_fma;  // vfmadd231ph (AVX512-FP16; run only where the CPU has it)
+  PeakLoop amx_bf16;  // tdpbf16ps (AMX tiles; the avx512amx variant)
 };
 
 #define ATTNKIT_DECLARE_ISA(isa)            \

@@ -5,7 +5,8 @@
 // AVX2's 16 registers), 16 for the dot products (Zen 5 runs vdpbf16ps 2 per cycle with ~6
 // cycles of latency: 12 chains measured 484 GFLOP/s per core, 16 chains 518).
 // Compiled once per ISA like the kernels: the fp32 FMA loop runs at the variant's vector
-// width; vdpbf16ps, vpdpbusd and the fp16 FMA exist in the avx512bf16 variant only.
+// width; vdpbf16ps, vpdpbusd and the fp16 FMA exist in the avx512bf16 variant only, and
+// tdpbf16ps in avx512amx.
 #include <cstdint>
 
 #include "cpu/kernel_table.h"
@@ -13,6 +14,9 @@
 
 #if defined(ATTNKIT_ISA_avx512bf16)
 #include <immintrin.h>
+#endif
+#if defined(ATTNKIT_ISA_avx512amx)
+#include "cpu/kernels/gemm_amx.h"
 #endif
 
 namespace attnkit::cpu::ATTNKIT_ISA {
@@ -110,8 +114,39 @@ constexpr PeakLoop kFp16Fma = {&fp16_fma_loop, kDotChains * 32 * 2};
 constexpr PeakLoop kBf16Dot{}, kInt8Dot{}, kFp16Fma{};
 #endif
 
+#if defined(ATTNKIT_ISA_avx512amx)
+// tdpbf16ps on four independent accumulator tiles (its latency is about 4 times its issue
+// interval): 16 × 16 fp32 outputs, each adding 16 bf16 pairs, per instruction.
+float amx_bf16_loop(int64_t iters) {
+  alignas(64) uint16_t ones[16 * 32];
+  for (uint16_t& x : ones) x = 0x3F80;  // 1.0
+  alignas(64) float out[16 * 16];
+  amx_configure();
+  _tile_loadd(4, ones, 64);
+  _tile_loadd(5, ones, 64);
+  _tile_loadd(6, ones, 64);
+  _tile_loadd(7, ones, 64);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t i = 0; i < iters; ++i) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, out, 64);
+  return out[0];
+}
+constexpr PeakLoop kAmxBf16 = {&amx_bf16_loop, 4 * 16 * 16 * 16 * 2 * 2};
+#else
+constexpr PeakLoop kAmxBf16{};
+#endif
+
 }  // namespace
 
-const ProbeTable probe_table = {&read_sum, {&fma_loop, kChains * kLanes * 2}, kBf16Dot, kInt8Dot, kFp16Fma};
+const ProbeTable probe_table = {&read_sum, {&fma_loop, kChains * kLanes * 2}, kBf16Dot, kInt8Dot, kFp16Fma,
+                                kAmxBf16};
 
 }  // namespace attnkit::cpu::ATTNKIT_ISA

@@ -628,11 +628,12 @@ def test_dropout_bit_identical_across_threads(rng, isa, p, dtype, restore_runtim
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_dropout_bit_identical_across_fma_isas(rng, p, dtype, restore_runtime):
     """One seed gives bit-identical output for any thread count on every ISA with the same
-    arithmetic: fp32 FMAs in the same order (avx512, avx2, and avx512bf16 except for bf16
-    inputs, whose Q·Kᵀ it sums in pairs with vdpbf16ps). The portable path rounds a*b+c
+    arithmetic: fp32 FMAs in the same order (avx512, avx2, and avx512bf16 and avx512amx
+    except for bf16 inputs, whose products they sum in pairs with vdpbf16ps or on AMX
+    tiles). The portable path rounds a*b+c
     twice (baseline x86-64 has no FMA), so its output may differ in the last bits; the
     dropout decisions are identical on every path (test_dropout_keep_mask_same_across_isas)."""
-    other_arithmetic = {"generic"} | ({"avx512bf16"} if dtype == "bfloat16" else set())
+    other_arithmetic = {"generic"} | ({"avx512bf16", "avx512amx"} if dtype == "bfloat16" else set())
     isas = [i for i in attnkit.supported_isas() if i not in other_arithmetic]
     if not isas:
         pytest.skip("no FMA ISA on this CPU")

@@ -54,7 +54,8 @@ def test_labels_and_per_instruction_peak():
     assert "% of path peak" in res.stdout and "ok (err " in res.stdout
     assert "E = max |out - ref| / rms(ref)" in res.stdout
     row = next(line for line in res.stdout.splitlines() if re.match(r"\s+1\s+attnkit\s", line))
-    assert re.search(r"\d% of " + ("vdpbf16ps" if attnkit.get_isa() == "avx512bf16" else "fp32 FMA"), row), row
+    expected = {"avx512bf16": "vdpbf16ps", "avx512amx": "tdpbf16ps"}.get(attnkit.get_isa(), "fp32 FMA")
+    assert re.search(r"\d% of " + expected, row), row
     cited = re.findall(r"protocol:\s+([\w/.]+\.md)", run_bench("--help").stdout)
     assert cited and all(os.path.exists(os.path.join(os.path.dirname(__file__), "..", "..", c)) for c in cited)
 

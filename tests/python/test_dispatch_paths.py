@@ -43,6 +43,9 @@ def test_default_variant_follows_the_bf16_rule():
     assert ("avx512vnni" in isas) == ("avx512bf16" in isas)
     if HAS_BF16_VARIANTS:
         expected = "avx512vnni" if (vendor, family) == ("GenuineIntel", 6) else "avx512bf16"
+        if "avx512amx" in isas:  # AMX first where the CPU and the OS allow it
+            assert isas[0] == "avx512amx" and isas[1] == expected, isas
+            expected = "avx512amx"
         assert isas[0] == expected and rule.startswith(expected + ":"), (isas, rule)
     assert rule.split(":")[0] == isas[0]
 
@@ -110,10 +113,36 @@ def test_avx512vnni_is_avx512_for_bf16_and_avx512bf16_for_int8_sage(rng, restore
     assert_bits_equal(run("avx512vnni", sage), run("avx512bf16", sage), "int8 sage vnni vs avx512bf16")
 
 
+@pytest.mark.skipif("avx512amx" not in attnkit.supported_isas(), reason="needs AMX (and the OS's leave)")
+def test_avx512amx_is_avx512bf16_outside_the_bf16_tile_loop(rng, restore_runtime):
+    """avx512amx runs only the bf16 tile loop (and sage's P·V) on AMX tiles: fp32 attention
+    and bf16 decode (key blocks) are bit-identical to avx512bf16's, whose code it compiles;
+    its bf16 prefill sums the same exact products in another order, so it is checked
+    against float64 (and it is not avx512bf16's: the products did run on the tiles)."""
+    def run(isa_name, *args, **kw):
+        attnkit.set_isa(isa_name)
+        return attnkit.attention(*args, **kw)
+
+    q, k, v = make_qkv(rng, 1, 8, 2, 77, 200, 128, 128, "float32")
+    assert_bits_equal(run("avx512amx", q, k, v, causal=True, enable_gqa=True),
+                      run("avx512bf16", q, k, v, causal=True, enable_gqa=True), "fp32 amx vs bf16")
+    q, k, v = make_qkv(rng, 2, 8, 2, 1, 300, 128, 128, "bfloat16")
+    assert_bits_equal(run("avx512amx", q, k, v, enable_gqa=True), run("avx512bf16", q, k, v, enable_gqa=True),
+                      "bf16 decode amx vs bf16")
+    q, k, v = make_qkv(rng, 1, 8, 2, 150, 333, 96, 80, "bfloat16")
+    out = poison(q.shape[:3] + (80,), "bfloat16")
+    run("avx512amx", q, k, v, causal=True, enable_gqa=True, out=out)
+    want = attention_ref(q, k, v, causal=True, enable_gqa=True)[0]
+    assert_close(out, want, *tolerance("bfloat16", "out", magnitude=pv_magnitude(q, k, v, causal=True,
+                                                                                 enable_gqa=True)))
+    assert not np.array_equal(np.asarray(out).view(np.uint16),
+                              np.asarray(run("avx512bf16", q, k, v, causal=True, enable_gqa=True)).view(np.uint16))
+
+
 # ---- the peak probes -------------------------------------------------------------------
 
 def test_peak_instructions_and_errors():
-    assert _C.peak_instructions() == ["fp32 FMA", "vdpbf16ps", "vpdpbusd", "fp16 FMA"]
+    assert _C.peak_instructions() == ["fp32 FMA", "vdpbf16ps", "vpdpbusd", "fp16 FMA", "tdpbf16ps"]
     with pytest.raises(ValueError, match=r'instruction must be one of "fp32 FMA", .*got "fma"'):
         _C.measure_peak_gflops("fma", 1)
     with pytest.raises(ValueError, match=r"threads must be in \[1, get_num_threads"):
@@ -129,5 +158,6 @@ def test_peaks_measured_where_the_cpu_has_them():
     assert (peaks["vdpbf16ps"] > 1.0) == HAS_BF16_VARIANTS
     assert (peaks["vpdpbusd"] > 1.0) == HAS_BF16_VARIANTS
     assert (peaks["fp16 FMA"] > 1.0) == ("avx512fp16" in features and HAS_BF16_VARIANTS)
+    assert (peaks["tdpbf16ps"] > 1.0) == ("avx512amx" in attnkit.supported_isas())
     assert all(p == 0.0 or p > 1.0 for p in peaks.values()), peaks
     assert _C.measure_fma_peak_gflops(1) > 1.0

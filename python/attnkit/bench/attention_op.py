@@ -13,7 +13,7 @@ from typing import Optional
 
 import numpy as np
 
-from .machine import BF16_DOT, FP32_FMA, bf16_dot_of
+from .machine import AMX_BF16, BF16_DOT, FP32_FMA, bf16_dot_of
 from .peers import onnxruntime_contender, openvino_contender
 from .registry import (BenchOp, Case, Check, Contender, Counts, attnkit_contenders, itemsize, numpy_dtype,
                        optional_torch, register, shape_int)
@@ -37,8 +37,8 @@ def exact_peak_of(row):
     """The instruction whose peak bounds an exact-attention row: attnkit's bf16 products run
     on its variant's bf16 instruction (Q·Kᵀ and P·V: vdpbf16ps on avx512bf16, fp32 FMAs
     elsewhere, attnkit-generic included); fp32 and fp16 inputs on fp32 FMAs. Peers with bf16
-    inputs: vdpbf16ps where the CPU has it (torch's and OpenVINO's bf16 GEMMs go to oneDNN,
-    which uses it), else fp32 FMA."""
+    inputs: AMX tiles where the CPU has them, else vdpbf16ps where it has that (torch's and
+    OpenVINO's bf16 GEMMs go to oneDNN, which uses them), else fp32 FMA."""
     import attnkit
     from attnkit import _C
 
@@ -48,7 +48,10 @@ def exact_peak_of(row):
         return bf16_dot_of(attnkit.get_isa())
     if row.contender == "onnxruntime-fp16":
         return FP32_FMA  # float16 through fp32 on CPUs without AVX512-FP16 (MLAS; assumed)
-    return BF16_DOT if "avx512bf16" in _C.cpu_features().split() else FP32_FMA
+    features = _C.cpu_features().split()
+    if "amx-bf16" in features:
+        return AMX_BF16
+    return BF16_DOT if "avx512bf16" in features else FP32_FMA
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """The machine the benchmark runs on: CPU model, cores, last-level cache, the measured peak
-of each instruction a kernel path may run (fp32 FMA, vdpbf16ps, vpdpbusd, fp16 FMA) and the
+of each instruction a kernel path may run (fp32 FMA, vdpbf16ps, vpdpbusd, fp16 FMA, AMX's
+tdpbf16ps) and the
 read bandwidth, per thread count (docs/BENCH.md protocol step 6), and the instructions each
 ISA variant's paths run on (which peak a row is measured against)."""
 
@@ -81,22 +82,26 @@ def last_level_cache_bytes() -> int:
 
 
 # The instructions whose peaks are measured (attnkit.measure_peak_gflops; 2 operations per
-# multiply-add: vfmadd231ps 2 per fp32 lane, vdpbf16ps 4, vpdpbusd 8 per int32 lane).
+# multiply-add: vfmadd231ps 2 per fp32 lane, vdpbf16ps 4, vpdpbusd 8 per int32 lane,
+# tdpbf16ps 16 × 16 × 32 × 2 per tile instruction).
 FP32_FMA, BF16_DOT, INT8_DOT, FP16_FMA = "fp32 FMA", "vdpbf16ps", "vpdpbusd", "fp16 FMA"
-INSTRUCTIONS = (FP32_FMA, BF16_DOT, INT8_DOT, FP16_FMA)
+AMX_BF16 = "tdpbf16ps"
+INSTRUCTIONS = (FP32_FMA, BF16_DOT, INT8_DOT, FP16_FMA, AMX_BF16)
 
 
 def bf16_dot_of(isa: str) -> str:
-    """The instruction attnkit's bf16 products run on in variant `isa` (src/core/dispatch.cpp):
-    vdpbf16ps on avx512bf16; elsewhere bf16 is converted to fp32 for FMAs (avx512vnni is the
-    choice on CPUs whose vdpbf16ps is slower than that)."""
-    return BF16_DOT if isa == "avx512bf16" else FP32_FMA
+    """The instruction attnkit's bf16 tile-loop products run on in variant `isa`
+    (src/core/dispatch.cpp): AMX tiles on avx512amx, vdpbf16ps on avx512bf16; elsewhere bf16
+    is converted to fp32 for FMAs (avx512vnni is the choice on CPUs whose vdpbf16ps is slower
+    than that)."""
+    return {"avx512amx": AMX_BF16, "avx512bf16": BF16_DOT}.get(isa, FP32_FMA)
 
 
 def int8_dot_of(isa: str) -> str:
-    """The instruction int8 Sage's Q·Kᵀ runs on in variant `isa`: vpdpbusd on avx512bf16 and
-    avx512vnni (which takes avx512bf16's Sage kernel, P·V on vdpbf16ps included)."""
-    return INT8_DOT if isa in ("avx512bf16", "avx512vnni") else FP32_FMA
+    """The instruction int8 Sage's Q·Kᵀ runs on in variant `isa`: vpdpbusd on avx512amx,
+    avx512bf16 and avx512vnni (which takes avx512bf16's Sage kernel, P·V on vdpbf16ps
+    included; avx512amx runs sage's P·V on tdpbf16ps)."""
+    return INT8_DOT if isa in ("avx512amx", "avx512bf16", "avx512vnni") else FP32_FMA
 
 
 def path_label(path) -> str:
