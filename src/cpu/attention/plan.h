@@ -25,7 +25,12 @@ constexpr int64_t kDecodeKeys = kLanes;
 // Query rows per task (heads of a group × positions): a multiple of 16 (the Kᵀ·Q tile's
 // columns) and of 6 (the P·V tile's rows on AVX-512), measured best of 48, 64 and 96.
 constexpr int64_t kRowTarget = 48;
-static_assert(kRowTarget <= kKvTile, "the Q packers stage a task's rows in the K tile's space");
+// On AMX tiles: 64 rows (4 tiles), so both products run in 2 × 2 blocks of tiles; 48 left a
+// lone row or column of tiles whose 2 accumulator chains ran at about half the rate (the
+// products of a 64-row tile measured 0.23 ns per score, of a 48-row one 0.33).
+constexpr int64_t kAmxRowTarget = 64;
+static_assert(kRowTarget <= kKvTile && kAmxRowTarget <= kKvTile,
+              "the Q packers stage a task's rows in the K tile's space");
 // Whether this variant has the bf16 and int8 dot-product instructions (vdpbf16ps, vpdpbusd).
 #if defined(ATTNKIT_ISA_avx512bf16)
 constexpr bool kDotProducts = true;
@@ -112,8 +117,12 @@ struct Plan {
   Plan(const AttentionParams& p, bool int8_mode, bool pv_int8_mode = false) {
     int8 = int8_mode;
     pv_int8 = pv_int8_mode;
-    heads_per_task = p.group < kRowTarget ? p.group : kRowTarget;
-    positions_per_task = kRowTarget / heads_per_task;
+    // The tile loop's P·V on AMX tiles: bf16 inputs (Q·Kᵀ too), and sage int8's P·V.
+    const bool bf16_inputs = p.dtype == DType::bfloat16 && p.kv_dtype == DType::bfloat16;
+    amx = kAmxTiles && (int8 ? !pv_int8 : bf16_inputs);
+    const int64_t row_target = amx ? kAmxRowTarget : kRowTarget;
+    heads_per_task = p.group < row_target ? p.group : row_target;
+    positions_per_task = row_target / heads_per_task;
     if (positions_per_task > p.Sq) positions_per_task = p.Sq;
     if (positions_per_task < 1) positions_per_task = 1;
     head_chunks = (p.group + heads_per_task - 1) / heads_per_task;
@@ -125,15 +134,14 @@ struct Plan {
     dv_pad = round_up(p.Dv, kLanes);
     // fp8 caches (paged) are widened to fp32 as they are packed (the fp32 paths below),
     // except decode's K rows under bf16 queries (fp8_pairs).
-    bf16_dot = kDotProducts && !int8 && p.dtype == DType::bfloat16 && p.kv_dtype == DType::bfloat16;
+    bf16_dot = kDotProducts && !int8 && bf16_inputs;
     fp8_pairs = kDotProducts && !int8 && p.dtype == DType::bfloat16 &&
                 (p.kv_dtype == DType::float8_e4m3fn || p.kv_dtype == DType::float8_e5m2);
     v_in_place = p.kv_dtype == DType::float32 && p.v_stride[3] == 1 && p.Dv == dv_pad;
     tile = make_mode(p, rows, false);
     // Dense calls whose kv heads serve more than one task's rows: else each V tile is
     // interleaved into pairs about once anyway.
-    v_pairs = tile.pv_bf16 && !int8 && !p.block_table && !p.kv_begin && p.Sq * p.group > kRowTarget;
-    amx = kAmxTiles && tile.pv_bf16;
+    v_pairs = tile.pv_bf16 && !int8 && !p.block_table && !p.kv_begin && p.Sq * p.group > row_target;
     k_floats = std::max(kKvTile * d_pad, amx ? rows_pad * kKvTile / 2 : 0);
     for (int64_t r = 1; r <= kLanes / 2; ++r) few[r] = make_mode(p, r, !int8 && r <= kMaxDotRows);
     workspace_floats = d_pad * rows_pad        // Qᵀ (or Q rows), scaled
