@@ -18,6 +18,7 @@
 #include "cpu/kernels/convert.h"
 #include "cpu/kernels/dot.h"
 #include "cpu/kernels/gemm.h"
+#include "cpu/kernels/gemm_amx.h"
 #include "cpu/kernels/gemm_dot.h"
 #include "cpu/kernels/simd.h"
 #include "cpu/kernels/softmax.h"
@@ -860,6 +861,54 @@ ISA_TEST(GemmBf16, MatchesFloat64Reference) {
     }
   }
 }
+
+#if defined(ATTNKIT_ISA_avx512amx)
+// AMX tiles: every block shape of the 2 × 2 tiling (odd tile counts in m and n), strided
+// operands, accumulating or not, against a float64 reference; C's padding columns untouched.
+ISA_TEST(GemmAmxBf16, MatchesFloat64Reference) {
+  SKIP_UNLESS_RUNNABLE();
+  std::mt19937 gen(11);
+  std::normal_distribution<float> dist;
+  auto bf16 = [&] { return float_to_bfloat16(dist(gen)); };
+  amx_configure();
+  for (int64_t m : {16, 32, 48, 80}) {
+    for (int64_t n : {16, 48, 64}) {
+      for (int64_t pairs : {16, 64}) {
+        for (bool accumulate : {false, true}) {
+          const int64_t lda = pairs + 16, ldb = n + 16, ldc = n + 8;
+          std::vector<uint32_t> a(m * lda), b(pairs * ldb);
+          for (auto& x : a) x = bf16() | uint32_t{bf16()} << 16;
+          for (auto& x : b) x = bf16() | uint32_t{bf16()} << 16;
+          std::vector<float> c(m * ldc);
+          for (auto& x : c) x = accumulate ? dist(gen) : NAN;
+          const std::vector<float> c0 = c;
+          gemm_amx_bf16(m, n, pairs, a.data(), lda, b.data(), ldb, c.data(), ldc, accumulate);
+          for (int64_t i = 0; i < m; ++i) {
+            for (int64_t j = 0; j < ldc; ++j) {
+              const float got = c[i * ldc + j];
+              if (j >= n) {  // padding: never written
+                ASSERT_EQ(bits_of(got), bits_of(c0[i * ldc + j])) << "padding " << i << "," << j;
+                continue;
+              }
+              double ref = accumulate ? c0[i * ldc + j] : 0.0, mag = std::fabs(ref);
+              for (int64_t p = 0; p < pairs; ++p) {
+                const uint32_t x = a[i * lda + p], y = b[p * ldb + j];
+                for (int half = 0; half < 2; ++half) {
+                  const double prod = double(bfloat16_to_float(uint16_t(x >> (16 * half)))) *
+                                      bfloat16_to_float(uint16_t(y >> (16 * half)));
+                  ref += prod, mag += std::fabs(prod);
+                }
+              }
+              ASSERT_NEAR(got, ref, 1e-6 * (mag + 1))
+                  << "m=" << m << " n=" << n << " pairs=" << pairs << " acc=" << accumulate;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+#endif
 
 // dot_key_block_bf16 over every grouping: pairs of bf16 (element 2p low, 2p + 1 high)
 // dotted exactly, summed in fp32. NaN pairs past k_pairs, NaN-poisoned s inside
