@@ -26,7 +26,13 @@ inline constexpr float kLog2e = 1.4426950408889634f;
 // as the same products a separate pass would store) and P comes out rounded to bf16 and
 // paired along the keys in place (pair row i of keys 2i, 2i + 1, as pair_rows_bf16; an odd
 // last key pairs with zero); the sums keep the fp32 P.
-template <int G, bool kBf16Pairs>
+// kLazyMax: a row's reference max moves only when the tile's beats it by more than
+// kLazyMaxSlack (else P may reach e^kLazyMaxSlack = 256, still exact in fp32 and as
+// precise in bf16), so alpha is 1 and the output's rescale is skipped for almost every tile
+// after a row's first (FlashAttention-4's conditional rescaling). m stays the reference the
+// sums and outputs are relative to, so lse, sinks and split merges are unchanged.
+inline constexpr float kLazyMaxSlack = 5.545177444479562f;  // ln 256
+template <int G, bool kBf16Pairs, bool kLazyMax = false>
 inline void online_softmax_rows_of(float* st, int64_t n_keys, int64_t ld, float scale, float* m, float* l,
                                    float* alpha) {
   const vfloat vscale = vbroadcast(scale);
@@ -40,6 +46,10 @@ inline void online_softmax_rows_of(float* st, int64_t n_keys, int64_t ld, float 
   for (int64_t j = 0; j < n_keys; ++j) {
 #pragma GCC unroll 4
     for (int g = 0; g < G; ++g) m_new[g] = vmax(m_new[g], score(j, g));
+  }
+  if constexpr (kLazyMax) {
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) m_new[g] = m_new[g] > m_old[g] + kLazyMaxSlack ? m_new[g] : m_old[g];
   }
   // Rows that have seen no visible key yet keep m = -inf; exponentiate them against 0
   // so that P = e^-inf = 0 rather than NaN.
@@ -75,19 +85,19 @@ inline void online_softmax_rows_of(float* st, int64_t n_keys, int64_t ld, float 
     vstore(m + g * kLanes, m_new[g]);
   }
 }
-template <bool kBf16Pairs>
+template <bool kBf16Pairs, bool kLazyMax = false>
 inline void online_softmax_tile_of(float* st, int64_t n_keys, int64_t ld, int64_t n_rows, float scale, float* m,
                                    float* l, float* alpha) {
   int64_t r = 0;
   for (; r + 4 * kLanes <= n_rows; r += 4 * kLanes)
-    online_softmax_rows_of<4, kBf16Pairs>(st + r, n_keys, ld, scale, m + r, l + r, alpha + r);
+    online_softmax_rows_of<4, kBf16Pairs, kLazyMax>(st + r, n_keys, ld, scale, m + r, l + r, alpha + r);
   switch ((n_rows - r) / kLanes) {
     case 3:
-      return online_softmax_rows_of<3, kBf16Pairs>(st + r, n_keys, ld, scale, m + r, l + r, alpha + r);
+      return online_softmax_rows_of<3, kBf16Pairs, kLazyMax>(st + r, n_keys, ld, scale, m + r, l + r, alpha + r);
     case 2:
-      return online_softmax_rows_of<2, kBf16Pairs>(st + r, n_keys, ld, scale, m + r, l + r, alpha + r);
+      return online_softmax_rows_of<2, kBf16Pairs, kLazyMax>(st + r, n_keys, ld, scale, m + r, l + r, alpha + r);
     case 1:
-      return online_softmax_rows_of<1, kBf16Pairs>(st + r, n_keys, ld, scale, m + r, l + r, alpha + r);
+      return online_softmax_rows_of<1, kBf16Pairs, kLazyMax>(st + r, n_keys, ld, scale, m + r, l + r, alpha + r);
   }
 }
 inline void online_softmax_tile(float* st, int64_t n_keys, int64_t ld, int64_t n_rows, float* m, float* l,
@@ -95,8 +105,10 @@ inline void online_softmax_tile(float* st, int64_t n_keys, int64_t ld, int64_t n
   online_softmax_tile_of<false>(st, n_keys, ld, n_rows, 1.0f, m, l, alpha);
 }
 // The kBf16Pairs form: st holds unscaled scores, scale > 0 and finite; P as bf16 pairs of keys.
+// lazy_max: kLazyMax (the AMX tile loop, where the output's rescale is a pass over memory).
 inline void online_softmax_tile_bf16_pairs(float* st, int64_t n_keys, int64_t ld, int64_t n_rows, float scale,
-                                           float* m, float* l, float* alpha) {
+                                           float* m, float* l, float* alpha, bool lazy_max = false) {
+  if (lazy_max) return online_softmax_tile_of<true, true>(st, n_keys, ld, n_rows, scale, m, l, alpha);
   online_softmax_tile_of<true>(st, n_keys, ld, n_rows, scale, m, l, alpha);
 }
 
