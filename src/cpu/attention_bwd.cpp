@@ -32,6 +32,7 @@
 #include "cpu/kernels.h"
 #include "cpu/kernels/convert.h"
 #include "cpu/kernels/gemm.h"
+#include "cpu/kernels/gemm_amx.h"
 #include "cpu/kernels/gemm_dot.h"
 #include "cpu/kernels/softmax.h"
 #include "cpu/kernels/workspace.h"
@@ -55,10 +56,31 @@ constexpr bool kDotProducts = true;  // vdpbf16ps
 constexpr bool kDotProducts = false;
 #endif
 
-// gemm_bf16 where the ISA has it (callers use it only when kDotProducts).
+// gemm_bf16 where the ISA has it (callers use it only when kDotProducts). On avx512amx the
+// whole tiles of rows go to AMX tiles where n and the pairs fill whole tiles: A read in place
+// when its pairs are contiguous (S, dP, dQ), else (A given transposed, a_step != 1: dV, dK)
+// transposed first into a per-thread buffer (about 6% of the product's time); the last
+// rows, and shapes that are not whole tiles, stay on gemm_bf16.
 template <int MR, int NV>
 void gemm_pairs(int64_t m, int64_t n, int64_t pairs, const uint32_t* a, int64_t lda, int64_t a_step,
                 const uint32_t* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+#if defined(ATTNKIT_ISA_avx512amx)
+  const int64_t whole = m / kAmxTile * kAmxTile;
+  if (whole > 0 && n % kAmxTile == 0 && pairs % kAmxTile == 0 && (a_step == 1 || lda == 1)) {
+    amx_configure();
+    if (a_step == 1) {
+      gemm_amx_bf16(whole, n, pairs, a, lda, b, ldb, c, ldc, accumulate);
+    } else {  // a(i, p) = a[i + p * a_step]: rows of A are its columns
+      thread_local std::vector<uint32_t> rows;
+      if (static_cast<int64_t>(rows.size()) < whole * pairs) rows.resize(whole * pairs);
+      transpose_matrix(reinterpret_cast<const float*>(a), a_step, pairs, whole, reinterpret_cast<float*>(rows.data()),
+                       pairs);
+      gemm_amx_bf16(whole, n, pairs, rows.data(), pairs, b, ldb, c, ldc, accumulate);
+    }
+    if (whole == m) return;
+    a += whole * lda, c += whole * ldc, m -= whole;
+  }
+#endif
 #if defined(ATTNKIT_ISA_avx512bf16)
   gemm_bf16<MR, NV>(m, n, pairs, a, lda, a_step, b, ldb, c, ldc, accumulate);
 #else
