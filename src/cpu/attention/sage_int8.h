@@ -13,6 +13,7 @@
 #include "cpu/attention/task.h"
 #include "cpu/kernels/convert.h"
 #include "cpu/kernels/gemm.h"
+#include "cpu/kernels/gemm_amx.h"
 #include "cpu/kernels/gemm_dot.h"
 #include "cpu/kernels/workspace.h"
 
@@ -90,8 +91,24 @@ void AttentionTask<T, TK>::qk_int8(const RowBlock& rb, int64_t j0, int64_t bc, c
   const float k_scale = kq_->scale[head * kq_->tiles + j0 / kKvTile];
 #if defined(ATTNKIT_ISA_avx512bf16)
   int32_t* acc = reinterpret_cast<int32_t*>(w.st);
-  gemm_u8s8<kWideRows, kWideVecs>(bc, ld, quads, reinterpret_cast<const uint32_t*>(codes), quads,
-                                  reinterpret_cast<const uint32_t*>(w.qt), ld, acc, ld);
+  const uint32_t* key_quads = reinterpret_cast<const uint32_t*>(codes);
+  const uint32_t* q_quads = reinterpret_cast<const uint32_t*>(w.qt);
+#if defined(ATTNKIT_ISA_avx512amx)
+  if (quads % kAmxTile == 0) {  // tdpbusd: whole tiles of keys in place, the last ones staged
+    const int64_t whole = bc / kAmxTile * kAmxTile;
+    if (whole > 0) gemm_amx_u8s8(whole, ld, quads, key_quads, quads, q_quads, ld, acc, ld, false);
+    if (whole < bc) {  // into w.k, zero past bc; Sᵀ has room for the tile's whole 16 rows
+      uint32_t* staged = reinterpret_cast<uint32_t*>(w.k);
+      std::memcpy(staged, key_quads + whole * quads, sizeof(uint32_t) * (bc - whole) * quads);
+      std::memset(staged + (bc - whole) * quads, 0, sizeof(uint32_t) * (kAmxTile - (bc - whole)) * quads);
+      gemm_amx_u8s8(kAmxTile, ld, quads, staged, quads, q_quads, ld, acc + whole * ld, ld, false);
+    }
+  } else {
+    gemm_u8s8<kWideRows, kWideVecs>(bc, ld, quads, key_quads, quads, q_quads, ld, acc, ld);
+  }
+#else
+  gemm_u8s8<kWideRows, kWideVecs>(bc, ld, quads, key_quads, quads, q_quads, ld, acc, ld);
+#endif
   for (int64_t r = 0; r < ld; r += kLanes) {
     vint offset;
     std::memcpy(&offset, w.q_sum + r, sizeof offset);

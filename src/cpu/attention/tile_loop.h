@@ -24,7 +24,7 @@ template <DType T, DType TK>
 void AttentionTask<T, TK>::attend(const RowBlock& rb, int64_t begin, int64_t end, const Workspace& w) const {
   if (rb.mode->key_blocks) return attend_rows(rb, begin, end, w);
 #if defined(ATTNKIT_ISA_avx512amx)
-  if (plan_.amx) amx_configure();
+  if (plan_.amx || plan_.int8) amx_configure();  // sage's Q·Kᵀ runs on tiles in both int8 modes
 #endif
   const int64_t ld = plan_.rows_pad;
   const Scores scores{w.st, ld, 1};

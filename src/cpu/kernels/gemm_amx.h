@@ -1,7 +1,9 @@
-// The AMX micro-kernel of avx512amx: C (+)= A · B on tiles, bf16 pairs along the reduction
-// (tdpbf16ps: a 16 × 16 fp32 tile adds, per output, 16 pair products; products exact and
-// sums in fp32, as vdpbf16ps). On the Xeon with AMX seen here it runs about 16 times the
-// fp32 FMA rate, so next to it the softmax's vector work is what costs.
+// The AMX micro-kernel of avx512amx: C (+)= A · B on tiles, the reduction axis packed in
+// 32-bit elements as for gemm_dot.h's instructions: bf16 pairs (tdpbf16ps: a 16 × 16 fp32
+// tile adds, per output, 16 pair products; products exact and sums in fp32, as vdpbf16ps)
+// or u8 × s8 quads (tdpbusd: int32 sums, exact, as vpdpbusd). On the Xeon with AMX seen
+// here tdpbf16ps runs about 15 times the fp32 FMA rate, so next to it the softmax's vector
+// work is what costs.
 // Shapes are whole tiles: M and N multiples of 16, K a multiple of 16 pairs (callers pad).
 // Only the avx512amx variant compiles it.
 #pragma once
@@ -11,6 +13,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace attnkit::cpu::ATTNKIT_ISA {
 
@@ -29,12 +32,24 @@ inline void amx_configure() {
   _tile_loadconfig(config);
 }
 
+// tdpbf16ps into fp32 outputs, tdpbusd into int32 ones (the intrinsics take tile numbers
+// as literals).
+#define ATTNKIT_AMX_DP(c, a, b) \
+  {                             \
+    if constexpr (kInt8) {      \
+      _tile_dpbusd(c, a, b);    \
+    } else {                    \
+      _tile_dpbf16ps(c, a, b);  \
+    }                           \
+  }
+
 // One block of up to 2 × 2 output tiles: tiles 0-3 accumulate, 4-5 hold A, 6-7 B.
-template <bool kTwoRows, bool kTwoCols>
-void amx_block(int64_t k, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb, float* c, int64_t ldc,
+template <class Out, bool kTwoRows, bool kTwoCols>
+void amx_block(int64_t k, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb, Out* c, int64_t ldc,
                bool accumulate) {
+  constexpr bool kInt8 = std::is_same_v<Out, int32_t>;
   const int64_t sa = lda * 4, sb = ldb * 4, sc = ldc * 4;  // strides in bytes
-  float* c1 = c + kAmxTile * ldc;
+  Out* c1 = c + kAmxTile * ldc;
   if (accumulate) {
     _tile_loadd(0, c, sc);
     if constexpr (kTwoCols) _tile_loadd(1, c + kAmxTile, sc);
@@ -50,12 +65,12 @@ void amx_block(int64_t k, const uint32_t* a, int64_t lda, const uint32_t* b, int
     _tile_loadd(4, a + p, sa);
     _tile_loadd(6, b + p * ldb, sb);
     if constexpr (kTwoCols) _tile_loadd(7, b + p * ldb + kAmxTile, sb);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (kTwoCols) _tile_dpbf16ps(1, 4, 7);
+    ATTNKIT_AMX_DP(0, 4, 6)
+    if constexpr (kTwoCols) ATTNKIT_AMX_DP(1, 4, 7)
     if constexpr (kTwoRows) {
       _tile_loadd(5, a + kAmxTile * lda + p, sa);
-      _tile_dpbf16ps(2, 5, 6);
-      if constexpr (kTwoCols) _tile_dpbf16ps(3, 5, 7);
+      ATTNKIT_AMX_DP(2, 5, 6)
+      if constexpr (kTwoCols) ATTNKIT_AMX_DP(3, 5, 7)
     }
   }
   _tile_stored(0, c, sc);
@@ -64,29 +79,41 @@ void amx_block(int64_t k, const uint32_t* a, int64_t lda, const uint32_t* b, int
   if constexpr (kTwoRows && kTwoCols) _tile_stored(3, c1 + kAmxTile, sc);
 }
 
-// c[m][n] (+)= Σ_p a[i][p] ⊙ b[p][n] on bf16 pairs: A row-major (row i at a + i * lda, pairs
-// contiguous), B [k][n] (pair row p at b + p * ldb), C fp32 row-major; strides in elements.
-// m, n multiples of 16, k of 16 pairs; amx_configure() must have run on this thread.
-inline void gemm_amx_bf16(int64_t m, int64_t n, int64_t k, const uint32_t* a, int64_t lda, const uint32_t* b,
-                          int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+#undef ATTNKIT_AMX_DP
+
+// c[m][n] (+)= Σ_p a[i][p] ⊙ b[p][n] on packed elements (Out float: bf16 pairs; int32_t: u8
+// quads of A with s8 quads of B): A row-major (row i at a + i * lda, elements contiguous),
+// B [k][n] (row p at b + p * ldb), C row-major; strides in elements. m, n multiples of 16,
+// k of 16 elements; amx_configure() must have run on this thread.
+template <class Out>
+void gemm_amx(int64_t m, int64_t n, int64_t k, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb,
+              Out* c, int64_t ldc, bool accumulate) {
   for (int64_t i = 0; i < m; i += 2 * kAmxTile) {
     const bool two_rows = i + kAmxTile < m;
     for (int64_t j = 0; j < n; j += 2 * kAmxTile) {
       const bool two_cols = j + kAmxTile < n;
       const uint32_t* ai = a + i * lda;
       const uint32_t* bj = b + j;
-      float* cij = c + i * ldc + j;
+      Out* cij = c + i * ldc + j;
       if (two_rows && two_cols) {
-        amx_block<true, true>(k, ai, lda, bj, ldb, cij, ldc, accumulate);
+        amx_block<Out, true, true>(k, ai, lda, bj, ldb, cij, ldc, accumulate);
       } else if (two_rows) {
-        amx_block<true, false>(k, ai, lda, bj, ldb, cij, ldc, accumulate);
+        amx_block<Out, true, false>(k, ai, lda, bj, ldb, cij, ldc, accumulate);
       } else if (two_cols) {
-        amx_block<false, true>(k, ai, lda, bj, ldb, cij, ldc, accumulate);
+        amx_block<Out, false, true>(k, ai, lda, bj, ldb, cij, ldc, accumulate);
       } else {
-        amx_block<false, false>(k, ai, lda, bj, ldb, cij, ldc, accumulate);
+        amx_block<Out, false, false>(k, ai, lda, bj, ldb, cij, ldc, accumulate);
       }
     }
   }
+}
+inline void gemm_amx_bf16(int64_t m, int64_t n, int64_t k, const uint32_t* a, int64_t lda, const uint32_t* b,
+                          int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  gemm_amx<float>(m, n, k, a, lda, b, ldb, c, ldc, accumulate);
+}
+inline void gemm_amx_u8s8(int64_t m, int64_t n, int64_t k, const uint32_t* a, int64_t lda, const uint32_t* b,
+                          int64_t ldb, int32_t* c, int64_t ldc, bool accumulate) {
+  gemm_amx<int32_t>(m, n, k, a, lda, b, ldb, c, ldc, accumulate);
 }
 
 }  // namespace attnkit::cpu::ATTNKIT_ISA
