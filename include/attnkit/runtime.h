@@ -48,8 +48,9 @@ class ScopedInterruptPoll {
 // running op. avx512bf16 is avx512 plus vdpbf16ps for bf16 inputs (exact bf16 products, fp32
 // sums) and vpdpbusd for int8 Sage; avx512vnni is avx512 (bf16 converted to fp32 for FMAs)
 // with avx512bf16's int8 Sage; both need a CPU with AVX512_BF16 and AVX512_VNNI. avx512amx
-// runs the bf16 tile loop's Q·Kᵀ and P·V (and sage's P·V) on AMX tiles (tdpbf16ps: the same
-// exact bf16 products and fp32 sums) and the rest as the best variant without AMX.
+// runs the bf16 tile loop's Q·Kᵀ and P·V, the bf16 backward's products and sage's (int8
+// Q·Kᵀ, bf16 P·V) on AMX tiles (tdpbf16ps, tdpbusd: the same exact products and fp32 or
+// int32 sums) and the rest as the best variant without AMX.
 std::string active_isa();
 std::vector<std::string> supported_isas();  // built and runnable here, best first
 void set_isa(const std::string& name);       // throws Error if not supported here

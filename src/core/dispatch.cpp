@@ -109,8 +109,8 @@ bool avx512amx_runnable() {
          os_allows_amx();
 }
 
-// avx512amx: the bf16 tile loop (dense, varlen and paged prefill), sage's P·V and the
-// backward's bf16 products on AMX tiles; every other entry as the best variant without AMX
+// avx512amx: the bf16 tile loop (dense, varlen and paged prefill), sage's Q·Kᵀ (int8) and
+// P·V and the backward's bf16 products on AMX tiles; every other entry as the best variant without AMX
 // (avx512vnni's on the CPUs of the bf16 rule, which all AMX CPUs so far are, else
 // avx512bf16's).
 const cpu::KernelTable avx512amx_table = [] {
@@ -265,7 +265,8 @@ std::string isa_rule() {
     const std::string name = v.table->isa;
     if (name == "avx512amx") {
       return name + ": " + describe(id) +
-             " has AMX tiles, so the bf16 tile loop runs both products on tdpbf16ps" +
+             " has AMX tiles, so bf16 prefill and backward run their products on tdpbf16ps and int8 "
+             "Sage its Q·Kᵀ on tdpbusd" +
              (bf16_dot_slower_than_fma(id) ? "; other bf16 paths as avx512vnni (Intel family 6)" : "");
     }
     if (name == "avx512vnni") {

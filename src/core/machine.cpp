@@ -62,7 +62,8 @@ constexpr PeakInstruction kPeakInstructions[] = {{"fp32 FMA", &cpu::ProbeTable::
                                                  {"vdpbf16ps", &cpu::ProbeTable::bf16_dot},
                                                  {"vpdpbusd", &cpu::ProbeTable::int8_dot},
                                                  {"fp16 FMA", &cpu::ProbeTable::fp16_fma},
-                                                 {"tdpbf16ps", &cpu::ProbeTable::amx_bf16}};
+                                                 {"tdpbf16ps", &cpu::ProbeTable::amx_bf16},
+                                                 {"tdpbusd", &cpu::ProbeTable::amx_int8}};
 
 }  // namespace
 

@@ -44,6 +44,7 @@ struct ProbeTable {
   PeakLoop int8_dot;  // vpdpbusd
   PeakLoop fp16_fma;  // vfmadd231ph (AVX512-FP16; run only where the CPU has it)
   PeakLoop amx_bf16;  // tdpbf16ps (AMX tiles; the avx512amx variant)
+  PeakLoop amx_int8;  // tdpbusd (AMX tiles; the avx512amx variant)
 };
 
 #define ATTNKIT_DECLARE_ISA(isa)            \

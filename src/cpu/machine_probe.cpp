@@ -6,7 +6,7 @@
 // cycles of latency: 12 chains measured 484 GFLOP/s per core, 16 chains 518).
 // Compiled once per ISA like the kernels: the fp32 FMA loop runs at the variant's vector
 // width; vdpbf16ps, vpdpbusd and the fp16 FMA exist in the avx512bf16 variant only, and
-// tdpbf16ps in avx512amx.
+// tdpbf16ps and tdpbusd in avx512amx.
 #include <cstdint>
 
 #include "cpu/kernel_table.h"
@@ -115,12 +115,14 @@ constexpr PeakLoop kBf16Dot{}, kInt8Dot{}, kFp16Fma{};
 #endif
 
 #if defined(ATTNKIT_ISA_avx512amx)
-// tdpbf16ps on four independent accumulator tiles (its latency is about 4 times its issue
-// interval): 16 × 16 fp32 outputs, each adding 16 bf16 pairs, per instruction.
-float amx_bf16_loop(int64_t iters) {
+// An AMX instruction on four independent accumulator tiles (its latency is about 4 times
+// its issue interval), operands loaded once: tdpbf16ps (16 × 16 fp32 outputs, each adding 16
+// bf16 pairs) or tdpbusd (int32 outputs, each adding 16 u8 × s8 quads).
+template <bool kInt8>
+float amx_loop(int64_t iters) {
   alignas(64) uint16_t ones[16 * 32];
-  for (uint16_t& x : ones) x = 0x3F80;  // 1.0
-  alignas(64) float out[16 * 16];
+  for (uint16_t& x : ones) x = 0x3F80;  // bf16 1.0; as bytes: 0x80 (128) and 0x3F (63)
+  alignas(64) int32_t out[16 * 16];
   amx_configure();
   _tile_loadd(4, ones, 64);
   _tile_loadd(5, ones, 64);
@@ -131,22 +133,30 @@ float amx_bf16_loop(int64_t iters) {
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t i = 0; i < iters; ++i) {
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
+    if constexpr (kInt8) {  // sums wrap harmlessly; only the rate matters
+      _tile_dpbusd(0, 4, 6);
+      _tile_dpbusd(1, 4, 7);
+      _tile_dpbusd(2, 5, 6);
+      _tile_dpbusd(3, 5, 7);
+    } else {
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
   }
   _tile_stored(0, out, 64);
-  return out[0];
+  return static_cast<float>(out[0]);
 }
-constexpr PeakLoop kAmxBf16 = {&amx_bf16_loop, 4 * 16 * 16 * 16 * 2 * 2};
+constexpr PeakLoop kAmxBf16 = {&amx_loop<false>, 4 * 16 * 16 * 16 * 2 * 2};
+constexpr PeakLoop kAmxInt8 = {&amx_loop<true>, 4 * 16 * 16 * 16 * 4 * 2};
 #else
-constexpr PeakLoop kAmxBf16{};
+constexpr PeakLoop kAmxBf16{}, kAmxInt8{};
 #endif
 
 }  // namespace
 
 const ProbeTable probe_table = {&read_sum, {&fma_loop, kChains * kLanes * 2}, kBf16Dot, kInt8Dot, kFp16Fma,
-                                kAmxBf16};
+                                kAmxBf16, kAmxInt8};
 
 }  // namespace attnkit::cpu::ATTNKIT_ISA

@@ -145,14 +145,14 @@ TEST(AttentionApi, SinksJoinTheDenominatorOnly) {
 // checks the rule against /proc/cpuinfo and every forced variant against float64).
 TEST(Runtime, PeakProbesAndIsaRule) {
   EXPECT_EQ(peak_instructions(),
-            (std::vector<std::string>{"fp32 FMA", "vdpbf16ps", "vpdpbusd", "fp16 FMA", "tdpbf16ps"}));
+            (std::vector<std::string>{"fp32 FMA", "vdpbf16ps", "vpdpbusd", "fp16 FMA", "tdpbf16ps", "tdpbusd"}));
   try {
     measure_peak_gflops("fma", 1);
     ADD_FAILURE() << "no error for an unknown instruction";
   } catch (const Error& e) {
     EXPECT_EQ(std::string(e.what()),
               "instruction must be one of \"fp32 FMA\", \"vdpbf16ps\", \"vpdpbusd\", \"fp16 FMA\", "
-              "\"tdpbf16ps\", got \"fma\"");
+              "\"tdpbf16ps\", \"tdpbusd\", got \"fma\"");
   }
   EXPECT_THROW(measure_peak_gflops("vpdpbusd", 0), Error);
   EXPECT_GT(measure_peak_gflops("fp32 FMA", 1), 1.0);
@@ -162,6 +162,7 @@ TEST(Runtime, PeakProbesAndIsaRule) {
   EXPECT_EQ(bf16, measure_peak_gflops("vpdpbusd", 1) > 1.0);
   const bool amx = std::find(isas.begin(), isas.end(), "avx512amx") != isas.end();
   EXPECT_EQ(amx, measure_peak_gflops("tdpbf16ps", 1) > 1.0);
+  EXPECT_EQ(amx, measure_peak_gflops("tdpbusd", 1) > 1.0);
   if (amx) {
     EXPECT_EQ(isas.front(), "avx512amx");
   }

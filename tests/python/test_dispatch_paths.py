@@ -142,7 +142,8 @@ def test_avx512amx_is_avx512bf16_outside_the_bf16_tile_loop(rng, restore_runtime
 # ---- the peak probes -------------------------------------------------------------------
 
 def test_peak_instructions_and_errors():
-    assert _C.peak_instructions() == ["fp32 FMA", "vdpbf16ps", "vpdpbusd", "fp16 FMA", "tdpbf16ps"]
+    assert _C.peak_instructions() == ["fp32 FMA", "vdpbf16ps", "vpdpbusd", "fp16 FMA", "tdpbf16ps",
+                                       "tdpbusd"]
     with pytest.raises(ValueError, match=r'instruction must be one of "fp32 FMA", .*got "fma"'):
         _C.measure_peak_gflops("fma", 1)
     with pytest.raises(ValueError, match=r"threads must be in \[1, get_num_threads"):
@@ -159,5 +160,6 @@ def test_peaks_measured_where_the_cpu_has_them():
     assert (peaks["vpdpbusd"] > 1.0) == HAS_BF16_VARIANTS
     assert (peaks["fp16 FMA"] > 1.0) == ("avx512fp16" in features and HAS_BF16_VARIANTS)
     assert (peaks["tdpbf16ps"] > 1.0) == ("avx512amx" in attnkit.supported_isas())
+    assert (peaks["tdpbusd"] > 1.0) == ("avx512amx" in attnkit.supported_isas())
     assert all(p == 0.0 or p > 1.0 for p in peaks.values()), peaks
     assert _C.measure_fma_peak_gflops(1) > 1.0

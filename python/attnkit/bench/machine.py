@@ -83,10 +83,10 @@ def last_level_cache_bytes() -> int:
 
 # The instructions whose peaks are measured (attnkit.measure_peak_gflops; 2 operations per
 # multiply-add: vfmadd231ps 2 per fp32 lane, vdpbf16ps 4, vpdpbusd 8 per int32 lane,
-# tdpbf16ps 16 × 16 × 32 × 2 per tile instruction).
+# tdpbf16ps 16 × 16 × 32 × 2 per tile instruction, tdpbusd 16 × 16 × 64 × 2).
 FP32_FMA, BF16_DOT, INT8_DOT, FP16_FMA = "fp32 FMA", "vdpbf16ps", "vpdpbusd", "fp16 FMA"
-AMX_BF16 = "tdpbf16ps"
-INSTRUCTIONS = (FP32_FMA, BF16_DOT, INT8_DOT, FP16_FMA, AMX_BF16)
+AMX_BF16, AMX_INT8 = "tdpbf16ps", "tdpbusd"
+INSTRUCTIONS = (FP32_FMA, BF16_DOT, INT8_DOT, FP16_FMA, AMX_BF16, AMX_INT8)
 
 
 def bf16_dot_of(isa: str) -> str:
@@ -98,10 +98,12 @@ def bf16_dot_of(isa: str) -> str:
 
 
 def int8_dot_of(isa: str) -> str:
-    """The instruction int8 Sage's Q·Kᵀ runs on in variant `isa`: vpdpbusd on avx512amx,
-    avx512bf16 and avx512vnni (which takes avx512bf16's Sage kernel, P·V on vdpbf16ps
-    included; avx512amx runs sage's P·V on tdpbf16ps)."""
-    return INT8_DOT if isa in ("avx512amx", "avx512bf16", "avx512vnni") else FP32_FMA
+    """The instruction int8 Sage's Q·Kᵀ runs on in variant `isa`: AMX's tdpbusd on avx512amx
+    (which also runs sage's bf16 P·V on tdpbf16ps), vpdpbusd on avx512bf16 and avx512vnni
+    (which takes avx512bf16's Sage kernel, P·V on vdpbf16ps included)."""
+    if isa == "avx512amx":
+        return AMX_INT8
+    return INT8_DOT if isa in ("avx512bf16", "avx512vnni") else FP32_FMA
 
 
 def path_label(path) -> str:
@@ -149,7 +151,7 @@ class Machine:
         for kind in INSTRUCTIONS:
             by_thr = self.peaks.get(kind, {})
             if by_thr and all(v > 0 for v in by_thr.values()):
-                unit = "GOP/s" if kind == INT8_DOT else "GFLOP/s"
+                unit = "GOP/s" if kind in (INT8_DOT, AMX_INT8) else "GFLOP/s"
                 out.append(f"{kind} " + ", ".join(f"{t} thr {g:.0f}" for t, g in sorted(by_thr.items()))
                            + f" {unit}")
             else:

@@ -23,7 +23,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from .machine import AMX_BF16, BF16_DOT, FP32_FMA, INT8_DOT, int8_dot_of
+from .machine import AMX_BF16, AMX_INT8, BF16_DOT, FP32_FMA, INT8_DOT, int8_dot_of
 from .attention_op import (NAMED, AttentionOp, AttnInputs, AttnShape, _subset, exact_peak_of,
                            exact_reference)
 from .registry import Check, Contender, register
@@ -80,17 +80,19 @@ class SageOp(AttentionOp):
 
     def peak_of(self, row):
         """Sage on avx512bf16 and avx512vnni: Q·Kᵀ on vpdpbusd, P·V on vdpbf16ps (FLOP shares
-        D and Dv; on avx512amx P·V on tdpbf16ps); elsewhere fp32 FMAs on the integers. Exact
-        peers as in --op attention."""
+        D and Dv); on avx512amx Q·Kᵀ on tdpbusd and P·V on tdpbf16ps (int8_pv_int8: P·V on
+        vpdpbusd); elsewhere fp32 FMAs on the integers. Exact peers as in --op attention."""
         import attnkit
 
         if row.role == "attnkit" or row.contender == PV_INT8:
-            if int8_dot_of(attnkit.get_isa()) != INT8_DOT:
+            qk = int8_dot_of(attnkit.get_isa())
+            if qk == FP32_FMA:
                 return FP32_FMA
-            if row.contender == PV_INT8:  # both products on vpdpbusd
-                return INT8_DOT
             s = row.case.shape
-            return ((INT8_DOT, s.D), (AMX_BF16 if attnkit.get_isa() == "avx512amx" else BF16_DOT, s.Dv))
+            amx = qk == AMX_INT8
+            if row.contender == PV_INT8:  # P·V on vpdpbusd
+                return ((qk, s.D), (INT8_DOT, s.Dv)) if amx else INT8_DOT
+            return ((qk, s.D), (AMX_BF16 if amx else BF16_DOT, s.Dv))
         return exact_peak_of(row)
 
     # --- verification: the quantized contract for sage, attention's checks for exact peers
