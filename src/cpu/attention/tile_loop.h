@@ -1,4 +1,4 @@
-// The flash-style tile loop: per tile of kKvTile keys, Sᵀ = K · Qᵀ (keys × rows, so the
+// The flash-style tile loop: per tile of kKvTile keys (kAmxKvTile on AMX tiles), Sᵀ = K · Qᵀ (keys × rows, so the
 // softmax runs down columns with rows as the SIMD axis), the modifiers and masks, the
 // online softmax, and O += P · V. K and V are read in place where their rows allow it
 // (fp32 of unit stride, bf16 pairs, bf16 V in split order), else converted once per tile,
@@ -48,8 +48,9 @@ void AttentionTask<T, TK>::attend(const RowBlock& rb, int64_t begin, int64_t end
   // applies the scale (masks commute with a positive one) and writes P as bf16 pairs.
   const bool fused_pairs = plan_.bf16_dot && rb.mode->pv_bf16 && p_.softcap == 0.0f && !p_.alibi_slopes &&
                            !p_.mask && p_.dropout_p == 0.0f && rb.scale > 0.0f && rb.scale < INFINITY;
-  for (int64_t j0 = begin; j0 < end; j0 += kKvTile) {
-    const int64_t bc = end - j0 < kKvTile ? end - j0 : kKvTile;
+  const int64_t key_tile = plan_.key_tile;
+  for (int64_t j0 = begin; j0 < end; j0 += key_tile) {
+    const int64_t bc = end - j0 < key_tile ? end - j0 : key_tile;
     if (plan_.int8) {  // Sᵀ = K · Qᵀ on int8 codes, dequantised
       qk_int8(rb, j0, bc, w);
       fix_nonfinite_logits(rb, j0, bc, w);
