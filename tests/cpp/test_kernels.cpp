@@ -11,6 +11,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attnkit/runtime.h"
@@ -828,6 +829,20 @@ ISA_TEST(Convert, InterleaveBf16RowsPairsElements) {
 }
 
 #if defined(ATTNKIT_ISA_avx512bf16)
+// c0 + Σ_p a[p] · b[p * ldb] over bf16 pairs in float64, and the sum of the terms' magnitudes.
+std::pair<double, double> pairs_dot(const uint32_t* a, const uint32_t* b, int64_t ldb, int64_t pairs, double c0) {
+  double ref = c0, mag = std::fabs(c0);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint32_t x = a[p], y = b[p * ldb];
+    for (int half = 0; half < 2; ++half) {
+      const double prod =
+          double(bfloat16_to_float(uint16_t(x >> (16 * half)))) * bfloat16_to_float(uint16_t(y >> (16 * half)));
+      ref += prod, mag += std::fabs(prod);
+    }
+  }
+  return {ref, mag};
+}
+
 // vdpbf16ps tiles: bf16 pairs along k, products exact, sums in fp32.
 ISA_TEST(GemmBf16, MatchesFloat64Reference) {
   SKIP_UNLESS_RUNNABLE();
@@ -845,15 +860,7 @@ ISA_TEST(GemmBf16, MatchesFloat64Reference) {
         gemm_bf16<kWideRows, kWideVecs>(m, n, pairs, a.data(), lda, 1, b.data(), ldb, c.data(), ldc, false);
         for (int64_t i = 0; i < m; ++i) {
           for (int64_t j = 0; j < n; ++j) {
-            double ref = 0.0, mag = 0.0;
-            for (int64_t p = 0; p < pairs; ++p) {
-              const uint32_t x = a[i * lda + p], y = b[p * ldb + j];
-              for (int half = 0; half < 2; ++half) {
-                const double prod = double(bfloat16_to_float(uint16_t(x >> (16 * half)))) *
-                                    bfloat16_to_float(uint16_t(y >> (16 * half)));
-                ref += prod, mag += std::fabs(prod);
-              }
-            }
+            const auto [ref, mag] = pairs_dot(a.data() + i * lda, b.data() + j, ldb, pairs, 0.0);
             ASSERT_NEAR(c[i * ldc + j], ref, 1e-6 * (mag + 1)) << "m=" << m << " n=" << n << " pairs=" << pairs;
           }
         }
@@ -890,15 +897,8 @@ ISA_TEST(GemmAmxBf16, MatchesFloat64Reference) {
                 ASSERT_EQ(bits_of(got), bits_of(c0[i * ldc + j])) << "padding " << i << "," << j;
                 continue;
               }
-              double ref = accumulate ? c0[i * ldc + j] : 0.0, mag = std::fabs(ref);
-              for (int64_t p = 0; p < pairs; ++p) {
-                const uint32_t x = a[i * lda + p], y = b[p * ldb + j];
-                for (int half = 0; half < 2; ++half) {
-                  const double prod = double(bfloat16_to_float(uint16_t(x >> (16 * half)))) *
-                                      bfloat16_to_float(uint16_t(y >> (16 * half)));
-                  ref += prod, mag += std::fabs(prod);
-                }
-              }
+              const auto [ref, mag] =
+                  pairs_dot(a.data() + i * lda, b.data() + j, ldb, pairs, accumulate ? c0[i * ldc + j] : 0.0);
               ASSERT_NEAR(got, ref, 1e-6 * (mag + 1))
                   << "m=" << m << " n=" << n << " pairs=" << pairs << " acc=" << accumulate;
             }
