@@ -139,6 +139,35 @@ def test_avx512amx_is_avx512bf16_outside_the_bf16_tile_loop(rng, restore_runtime
                               np.asarray(run("avx512bf16", q, k, v, causal=True, enable_gqa=True)).view(np.uint16))
 
 
+@pytest.mark.skipif("avx512amx" not in attnkit.supported_isas(), reason="needs AMX (and the OS's leave)")
+@pytest.mark.parametrize("unfused", [False, True])
+@pytest.mark.parametrize("scale", [0.5, 4.0])
+def test_avx512amx_lazy_max_follows_rising_logits(rng, unfused, scale, restore_runtime):
+    """The AMX tile loop's fused softmax moves a row's reference max only when a tile beats
+    it by more than ln 256: logits that climb across the 256-key tiles (scale 0.5: in about
+    60% of (row, tile) pairs by more than that, in another 20% by less; scale 4: every row's
+    max climbs by more than 88 over its first tile, so a max that never moved would
+    overflow) and a late outlier key, vs float64; with a mask (the unfused softmax, exact
+    max) as well."""
+    import ml_dtypes
+    attnkit.set_isa("avx512amx")
+    B, Hq, Hkv, Sq, Skv, D = 1, 8, 2, 70, 1300, 128
+    q = rng.standard_normal((B, Hq, Sq, D)).astype(np.float32)
+    k = rng.standard_normal((B, Hkv, Skv, D)).astype(np.float32)
+    k *= np.linspace(0.2, 3.0, Skv, dtype=np.float32)[None, None, :, None]
+    k[:, :, 1111] = 4.0 * q[:, ::4].mean(axis=(1, 2)) / np.linalg.norm(q[:, ::4].mean(axis=(1, 2)))
+    v = rng.standard_normal((B, Hkv, Skv, D)).astype(np.float32)
+    q, k, v = (x.astype(ml_dtypes.bfloat16) for x in (q, k, v))
+    mask = rng.random((Sq, Skv)) > 0.1 if unfused else None
+    out = poison((B, Hq, Sq, D), "bfloat16")
+    got, got_lse = attnkit.attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True, return_lse=True, out=out)
+    assert got is out
+    want, want_lse = attention_ref(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    mag = pv_magnitude(q, k, v, mask, False, scale, True)
+    assert_close(got, want, *tolerance("bfloat16", "out", magnitude=mag))
+    assert_close(got_lse, want_lse, *tolerance("bfloat16", "lse"), name="lse")
+
+
 # ---- the peak probes -------------------------------------------------------------------
 
 def test_peak_instructions_and_errors():
