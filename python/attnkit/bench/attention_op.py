@@ -35,8 +35,9 @@ PEER_TOL_FACTOR = 2.0  # a peer vs attnkit: both sides carry rounding error
 
 def exact_peak_of(row):
     """The instruction whose peak bounds an exact-attention row: attnkit's bf16 products run
-    on its variant's bf16 instruction (Q·Kᵀ and P·V: vdpbf16ps on avx512bf16, fp32 FMAs
-    elsewhere, attnkit-generic included); fp32 and fp16 inputs on fp32 FMAs. Peers with bf16
+    on its variant's bf16 instruction (Q·Kᵀ and P·V: AMX's tdpbf16ps on avx512amx, vdpbf16ps
+    on avx512bf16, fp32 FMAs elsewhere, attnkit-generic included); fp32 and fp16 inputs on
+    fp32 FMAs. Peers with bf16
     inputs: AMX tiles where the CPU has them, else vdpbf16ps where it has that (torch's and
     OpenVINO's bf16 GEMMs go to oneDNN, which uses them), else fp32 FMA."""
     import attnkit

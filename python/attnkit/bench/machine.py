@@ -1,8 +1,8 @@
 """The machine the benchmark runs on: CPU model, cores, last-level cache, the measured peak
 of each instruction a kernel path may run (fp32 FMA, vdpbf16ps, vpdpbusd, fp16 FMA, AMX's
-tdpbf16ps) and the
-read bandwidth, per thread count (docs/BENCH.md protocol step 6), and the instructions each
-ISA variant's paths run on (which peak a row is measured against)."""
+tdpbf16ps and tdpbusd) and the read bandwidth, per thread count (docs/BENCH.md protocol
+step 6), and the instructions each ISA variant's paths run on (which peak a row is measured
+against)."""
 
 from __future__ import annotations
 
