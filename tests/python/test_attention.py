@@ -216,6 +216,17 @@ def test_gqa_ratios(rng, Hq, Hkv, layout):
         run_checked(q, k, v, dtype=dtype, enable_gqa=True, layout=layout)
 
 
+# Decode over K/V whose kv heads lie side by side ([B, S, H, D]) runs up to 16 kv heads per
+# task through the same key blocks: 17 and 40 kv heads leave a partial group (17 = 16 + 1
+# takes the one-head path for the last), long keys are split across tasks.
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Hq,Hkv,Sq,Skv", [(8, 2, 1, 1100), (32, 16, 2, 300), (17, 17, 1, 2500),
+                                           (80, 40, 1, 77), (12, 3, 3, 130)])
+def test_decode_over_interleaved_kv_heads(rng, dtype, Hq, Hkv, Sq, Skv, isa):
+    q, k, v = make_qkv(rng, 2, Hq, Hkv, Sq, Skv, 64, 40, dtype, "BSHD")
+    run_checked(q, k, v, dtype=dtype, enable_gqa=Hq != Hkv, layout="BSHD", causal="bottom_right")
+
+
 @pytest.mark.parametrize("Sq,Skv", list(itertools.product(LENGTHS, LENGTHS)))
 def test_lengths(rng, Sq, Skv):
     dtype = "float32"

@@ -131,6 +131,7 @@ PAGED_CASES = [
     ([64, 3], [64, 700], 1, 2, 2, 48, 48),                       # page size 1 (a token table)
     ([5, 1, 2], [133, 2100, 2], 64, 4, 1, 16, 24),               # MQA, a long decode (kv splits)
     ([0, 0, 1], [0, 0, 5], 16, 2, 2, 8, 8),                      # sequences with no keys
+    ([1, 1, 2], [900, 31, 40], 16, 34, 17, 32, 40),              # decode tasks of 16 kv heads, then 1
 ]
 
 

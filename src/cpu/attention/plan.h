@@ -29,6 +29,11 @@ constexpr int64_t kRowTarget = 48;
 // lone row or column of tiles whose 2 accumulator chains ran at about half the rate (the
 // products of a 64-row tile measured 0.23 ns per score, of a 48-row one 0.33).
 constexpr int64_t kAmxRowTarget = 64;
+// Decode over kv heads that lie side by side in memory (paged caches, packed varlen K/V): one
+// task runs up to this many kv heads' row blocks through the same key blocks, so each block
+// of the cache is read once, in address order, instead of once per kv head with a stride.
+constexpr int64_t kDecodeKvHeads = 16;
+constexpr int64_t kGroupPrefetchBlocks = 2;  // such a task prefetches this many key blocks ahead
 static_assert(kRowTarget <= kKvTile && kAmxRowTarget <= kKvTile,
               "the Q packers stage a task's rows in the K tile's space");
 // Whether this variant has the bf16 and int8 dot-product instructions (vdpbf16ps, vpdpbusd).
@@ -84,6 +89,7 @@ struct Sequence {
   int64_t offset;      // query i aligns to key i + offset (causal: sees keys j <= i + offset)
   int64_t span;        // keys a row block sees from its first visible one (Plan::key_span)
   int64_t q_blocks, kv_splits, kv_split_len;
+  int64_t kv_heads_per_task;  // row blocks of this many kv heads share a task (decode, Plan::group_kv_heads)
   int64_t first_row_block, first_task, first_slot;  // slots: partial states (kv_splits > 1)
 };
 
@@ -116,6 +122,8 @@ struct Plan {
   bool v_in_place;           // fp32 V rows with unit stride need no packing
   bool v_pairs;              // bf16 V prepared as key pairs once per call (prepare_v_pairs)
   bool amx;                  // the tile loop's P·V on pairs (and bf16 Sᵀ) on AMX tiles (avx512amx)
+  bool group_kv_heads;       // decode tasks run several kv heads (kDecodeKvHeads): they lie side by side
+  int64_t head_state_floats;  // one kv head's decode state in such a task (Workspace::head)
   Mode tile;                 // row blocks of more rows
   Mode few[kLanes / 2 + 1];  // few[r]: row blocks of r rows, where key blocks pay
 
@@ -131,7 +139,6 @@ struct Plan {
     if (positions_per_task > p.Sq) positions_per_task = p.Sq;
     if (positions_per_task < 1) positions_per_task = 1;
     head_chunks = (p.group + heads_per_task - 1) / heads_per_task;
-    plan_sequences(p);
 
     const int64_t rows = heads_per_task * positions_per_task;
     rows_pad = round_up(rows, kLanes);
@@ -150,6 +157,19 @@ struct Plan {
     key_tile = amx && !int8 ? kAmxKvTile : kKvTile;  // sage's K scales are per kKvTile keys
     k_floats = std::max(kKvTile * d_pad, amx ? rows_pad * key_tile / 2 : 0);
     for (int64_t r = 1; r <= kLanes / 2; ++r) few[r] = make_mode(p, r, !int8 && r <= kMaxDotRows);
+    // Where each key's rows of all kv heads lie within one key stride: paged caches in
+    // FlashAttention's layout, packed (varlen) K/V, dense K/V in [B, S, H, D] order.
+    auto heads_inside_key = [&](const int64_t* stride, int64_t cols) {
+      return stride[1] > 0 && stride[3] == 1 && (p.Hkv - 1) * stride[1] + cols <= stride[2];
+    };
+    group_kv_heads = p.Hkv > 1 && heads_inside_key(p.k_stride, p.D) && heads_inside_key(p.v_stride, p.Dv);
+    int64_t qt_floats = 0;  // Q grouped for dot_key_block (dot.h's group_rows)
+    for (int64_t r = 1; r <= kLanes / 2; ++r) {
+      if (few[r].key_blocks)
+        qt_floats = std::max(qt_floats, (r + few[r].rows_per_vec - 1) / few[r].rows_per_vec * few[r].chunks * kLanes);
+    }
+    head_state_floats = 3 * kLanes + kMaxDotRows * dv_pad + qt_floats;  // m, l, alpha, O, Q
+    plan_sequences(p);
     workspace_floats = d_pad * rows_pad        // Qᵀ (or Q rows), scaled
                        + rows_pad * dv_pad     // output accumulators
                        + kScoreRows * rows_pad  // Sᵀ, then Pᵀ
@@ -159,6 +179,7 @@ struct Plan {
                                                // sage's row shift; ALiBi slope, distance
                        + dv_pad * rows_pad;    // output accumulators transposed (tile loop)
     if (pv_int8) workspace_floats += kKvTile * rows_pad + rows_pad * dv_pad + 3 * rows_pad;  // P codes, P·V, P scale, top P, its key
+    if (group_kv_heads) workspace_floats += kDecodeKvHeads * head_state_floats;
     partial_floats = rows_pad * (dv_pad + 2);  // o, m, l of one split
   }
 
@@ -204,19 +225,27 @@ struct Plan {
                      [](const Sequence& x, const Sequence& y) { return x.sq * x.skv > y.sq * y.skv; });
     row_blocks = tasks = slots = 0;
     for (Sequence& s : seqs) {
+      s.kv_heads_per_task = group_kv_heads && decodes(s) ? std::min(p.Hkv, kDecodeKvHeads) : 1;
       s.kv_splits = 1;
-      if (total_work > 0) {
-        const int64_t want = (row_work(s) * kMinParallelTasks + total_work - 1) / total_work;
+      if (total_work > 0) {  // a task holds kv_heads_per_task row blocks' work
+        const int64_t want = (s.kv_heads_per_task * row_work(s) * kMinParallelTasks + total_work - 1) / total_work;
         const int64_t most = s.span / (kMinSplitTiles * kKvTile);
         s.kv_splits = std::max<int64_t>(1, std::min(want, most));
       }
       s.kv_split_len = round_up((s.span + s.kv_splits - 1) / s.kv_splits, kKvTile);
       const int64_t n = p.Hkv * head_chunks * s.q_blocks;
+      const int64_t kv_groups = (p.Hkv + s.kv_heads_per_task - 1) / s.kv_heads_per_task;
       s.first_row_block = row_blocks, s.first_task = tasks, s.first_slot = slots;
       row_blocks += n;
-      tasks += n * s.kv_splits;
+      tasks += kv_groups * head_chunks * s.q_blocks * s.kv_splits;
       if (s.kv_splits > 1) slots += n * s.kv_splits;
     }
+  }
+  // Whether every row block of the sequence runs key blocks (decode): one query block and
+  // one head chunk of few enough rows.
+  bool decodes(const Sequence& s) const {
+    const int64_t rows = heads_per_task * s.sq;
+    return s.q_blocks == 1 && head_chunks == 1 && 2 * rows <= kLanes && few[rows].key_blocks;
   }
   int64_t row_work(const Sequence& s) const { return s.span * std::min(s.sq, positions_per_task); }
 
@@ -281,6 +310,9 @@ struct Workspace {
     slope = shift + plan.rows_pad;
     dist = slope + plan.rows_pad;
     ot = dist + plan.rows_pad;
+    heads = base + plan.workspace_floats - (plan.group_kv_heads ? kDecodeKvHeads * plan.head_state_floats : 0);
+    head_state_floats = plan.head_state_floats;
+    dv_pad = plan.dv_pad;
     p_codes = pv = p_scale = p_top = nullptr;
     p_top_key = nullptr;
     if (plan.pv_int8) {
@@ -291,6 +323,22 @@ struct Workspace {
       p_top_key = reinterpret_cast<int32_t*>(p_top + plan.rows_pad);
     }
   }
+
+  // The workspace of kv head i (< kDecodeKvHeads) of a decode task over several
+  // (Plan::group_kv_heads): its own Q, O and softmax state; scores and K/V staging shared.
+  Workspace head(int64_t i) const {
+    Workspace w = *this;
+    w.m = heads + i * head_state_floats;
+    w.l = w.m + kLanes;
+    w.alpha = w.l + kLanes;
+    w.o = w.alpha + kLanes;
+    w.qt = w.o + kMaxDotRows * dv_pad;
+    return w;
+  }
+
+ private:
+  float* heads;  // Plan::group_kv_heads: kDecodeKvHeads states of Plan::head_state_floats
+  int64_t head_state_floats, dv_pad;
 };
 
 // The rows of one task: heads h0 .. h0+nh-1 of kv head kvh, positions i0 .. i0+nq-1 of

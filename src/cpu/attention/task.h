@@ -4,6 +4,7 @@
 // drivers are defined in tile_loop.h, decode.h, bf16_pairs.h, scores.h and sage_int8.h.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -57,26 +58,39 @@ class AttentionTask {
            (rb.row0 + rb.i0 + r % rb.nq) * p_.q_stride[2];
   }
 
-  // Task = (row block, kv split). Without splits it writes the output directly; with
-  // splits it leaves its unnormalised state in its slot of `partial` for merge().
+  // Task = (row blocks, kv split): the row block of one kv head, or in decode those of
+  // kv_heads_per_task kv heads (same queries' positions and keys). Without splits it writes
+  // the output directly; with splits it leaves each row block's unnormalised state in its
+  // slot of `partial` for merge().
   void run(int64_t task, float* workspace, float* partial) const {
     const Sequence& s = plan_.sequence_of_task(task);
-    const int64_t local = task - s.first_task;
-    const RowBlock rb = row_block(s, s.first_row_block + local / s.kv_splits);
-    const int64_t split = local % s.kv_splits;
-    Workspace w(workspace, plan_, p_);
-    const KeyRange keys = visible_keys(rb);
+    const int64_t local = task - s.first_task, split = local % s.kv_splits, unit = local / s.kv_splits;
+    const int64_t per_kv = s.q_blocks * plan_.head_chunks;  // row blocks per kv head
+    const int64_t kvh0 = unit / per_kv * s.kv_heads_per_task, block_in_head = unit % per_kv;
+    const int64_t kv_heads = std::min(s.kv_heads_per_task, p_.Hkv - kvh0);
+    RowBlock rbs[kDecodeKvHeads];
+    for (int64_t i = 0; i < kv_heads; ++i) rbs[i] = row_block(s, s.first_row_block + (kvh0 + i) * per_kv + block_in_head);
+    const KeyRange keys = visible_keys(rbs[0]);  // the same for every kv head
     const int64_t split_begin = keys.begin + split * s.kv_split_len;
-    const int64_t end = split_begin + s.kv_split_len < keys.end ? split_begin + s.kv_split_len : keys.end;
-    attend(rb, split_begin, end < split_begin ? split_begin : end, w);
-    if (s.kv_splits == 1) {
-      write_out(rb, w.o, w.m, w.l, w.v);
-      return;
+    const int64_t end = std::max(split_begin, std::min(split_begin + s.kv_split_len, keys.end));
+    const Workspace w(workspace, plan_, p_);
+    if (kv_heads == 1) {
+      attend(rbs[0], split_begin, end, w);
+    } else {
+      attend_kv_heads(rbs, kv_heads, split_begin, end, w);
     }
-    float* slot = partial + (s.first_slot + local) * plan_.partial_floats;
-    std::memcpy(slot, w.o, sizeof(float) * rb.rows * plan_.dv_pad);
-    std::memcpy(slot + plan_.rows_pad * plan_.dv_pad, w.m, sizeof(float) * plan_.rows_pad);
-    std::memcpy(slot + plan_.rows_pad * (plan_.dv_pad + 1), w.l, sizeof(float) * plan_.rows_pad);
+    for (int64_t i = 0; i < kv_heads; ++i) {
+      const Workspace wh = kv_heads == 1 ? w : w.head(i);
+      if (s.kv_splits == 1) {
+        write_out(rbs[i], wh.o, wh.m, wh.l, w.v);
+        continue;
+      }
+      const int64_t row_block_local = (kvh0 + i) * per_kv + block_in_head;
+      float* slot = partial + (s.first_slot + row_block_local * s.kv_splits + split) * plan_.partial_floats;
+      std::memcpy(slot, wh.o, sizeof(float) * rbs[i].rows * plan_.dv_pad);
+      std::memcpy(slot + plan_.rows_pad * plan_.dv_pad, wh.m, sizeof(float) * rbs[i].rows);
+      std::memcpy(slot + plan_.rows_pad * (plan_.dv_pad + 1), wh.l, sizeof(float) * rbs[i].rows);
+    }
   }
 
   // Combines the kv splits of one row block: with M = max_s m_s, the row's sum is
@@ -192,6 +206,10 @@ class AttentionTask {
 
   // Decode (decode.h): key blocks of one vector, row-major scores.
   void attend_rows(const RowBlock& rb, int64_t begin, int64_t end, const Workspace& w) const;
+  void attend_kv_heads(const RowBlock* rbs, int64_t kv_heads, int64_t begin, int64_t end, const Workspace& w) const;
+  void start_rows(const RowBlock& rb, const Workspace& w) const;
+  void attend_key_block(const RowBlock& rb, const KvRows<EK>& krows, const KvRows<EK>& vrows, int64_t j0,
+                        int64_t end, bool prefetch, const Workspace& w) const;
   static void prefetch_rows(const KvRows<EK>& rows, int64_t first, int64_t end, int64_t cols);
   void qk_key_block(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t n, float* s, int64_t lds,
                     const Workspace& w) const;
