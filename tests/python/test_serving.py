@@ -162,8 +162,8 @@ def test_paged_fp8_cache(rng, cache_dtype, q_dtype, per_head, isa):
     _, lse = attnkit.paged_attention(q, kc, vc, table, lens, cu_q, k_scale=k_scale, v_scale=v_scale,
                                      return_lse=True, out=out)
     ref = paged_ref(q, kc, vc, table, lens, cu_q, True, None, k_scale, v_scale)
-    # fp8 caches take the float32 path (P is not rounded to bf16); the reference's bf16
-    # allowance for P rounding only widens the bound.
+    # Under bf16 queries the tile loop runs on bf16 pairs (P rounded to bf16, within the
+    # reference's bf16 allowance); fp32 and fp16 queries take the float32 path.
     check(out, lse, ref, q_dtype)
 
 
@@ -211,6 +211,36 @@ def test_paged_fp8_decode_strided_cache(rng, cache_dtype, isa):
     got = attnkit.paged_attention(q, wide[..., ::2], vc, table, lens, cu_q, k_scale=0.3)
     np.testing.assert_array_equal(got, attnkit.paged_attention(q, kc, vc, table, lens, cu_q, k_scale=0.3))
     check(got, None, paged_ref(q, kc, vc, table, lens, cu_q, True, None, 0.3), "bfloat16", lse_too=False)
+
+
+# Prefill chunks over fp8 caches with bf16 queries: the tile loop converts each K and V
+# tile exactly to bf16 pairs (avx512bf16; others widen to fp32). Odd D, a V wider than
+# twice D, block sizes 1 and 7 (key pairs split across pages), kv splits, a strided V.
+FP8_PREFILL_CASES = [
+    # q_lens, seq_lens, block_size, Hq, Hkv, D, Dv, strided V
+    ([40, 1, 130], [300, 5, 130], 7, 8, 2, 33, 40, False),
+    ([64, 9], [64, 20], 1, 4, 4, 128, 128, True),
+    ([20, 3], [2100, 3], 64, 4, 1, 16, 256, False),
+]
+
+
+@pytest.mark.parametrize("cache_dtype", list(FP8))
+@pytest.mark.parametrize("case", range(len(FP8_PREFILL_CASES)))
+def test_paged_fp8_prefill_bf16_queries(rng, cache_dtype, case, isa):
+    q_lens, seq_lens, bs, hq, hkv, d, dv, strided = FP8_PREFILL_CASES[case]
+    kc, vc, table = random_paged_batch(rng, q_lens, seq_lens, bs, hkv, d, dv, cache_dtype)
+    if strided:
+        wide = np.full(vc.shape[:3] + (2 * dv,), np.nan, dtype=vc.dtype)
+        wide[..., ::2] = vc
+        v_in = wide[..., ::2]
+    else:
+        v_in = vc
+    cu_q, lens = cu(q_lens), np.array(seq_lens, dtype=np.int32)
+    q = randn(rng, (cu_q[-1], hq, d), "bfloat16")
+    out = poison((cu_q[-1], hq, dv), "bfloat16")
+    _, lse = attnkit.paged_attention(q, kc, v_in, table, lens, cu_q, k_scale=0.25, v_scale=0.5,
+                                     return_lse=True, out=out)
+    check(out, lse, paged_ref(q, kc, vc, table, lens, cu_q, True, None, 0.25, 0.5), "bfloat16")
 
 
 def test_paged_float_scale_and_torch(rng):

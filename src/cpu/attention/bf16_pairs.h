@@ -53,7 +53,12 @@ void AttentionTask<T, TK>::qk_bf16(const RowBlock& rb, const KvRows<EK>& krows, 
                                             1, qt, ld, w.st + first * ld, ld, false);
     });
   } else {
-    const uint32_t* keys = pack_key_pairs(krows, j0, bc, pairs, w);
+    uint32_t* keys;
+    if constexpr (sizeof(EK) == 1) {  // an fp8 cache
+      keys = pack_fp8_key_pairs(krows, j0, bc, pairs, w);
+    } else {
+      keys = pack_key_pairs(krows, j0, bc, pairs, w);
+    }
     gemm_bf16<kDotWideRows, kDotWideVecs>(bc, ld, pairs, keys, pairs, 1, qt, ld, w.st, ld, false);
   }
 }
@@ -73,7 +78,7 @@ void AttentionTask<T, TK>::pv_bf16(const RowBlock& rb, const KvRows<EK>& vrows, 
 #endif
   uint32_t* vp = reinterpret_cast<uint32_t*>(w.v);
   if (!v_pairs_) {
-    interleave_v_tile(vrows, j0, bc, vp);
+    interleave_v_tile(vrows, j0, bc, vp, w);
     pv_pairs(rb, pp, vp, pairs, w);
     return;
   }
@@ -87,23 +92,41 @@ void AttentionTask<T, TK>::pv_bf16(const RowBlock& rb, const KvRows<EK>& vrows, 
   }
 }
 
-// bf16 V rows j0 .. j0+bc-1 (EK is bf16 here) as pairs of consecutive keys into vp
-// [pairs][dv_pad]; a lone last key pairs with a zero row (its P is zero too).
+// bf16 V rows j0 .. j0+bc-1 as pairs of consecutive keys into vp [pairs][dv_pad]; a lone
+// last key pairs with a zero row (its P is zero too). An fp8 cache's rows are converted
+// exactly to bf16 first, two at a time, into w.k (free once Sᵀ is computed).
 template <DType T, DType TK>
-void AttentionTask<T, TK>::interleave_v_tile(const KvRows<EK>& vrows, int64_t j0, int64_t bc, uint32_t* vp) const {
+void AttentionTask<T, TK>::interleave_v_tile(const KvRows<EK>& vrows, int64_t j0, int64_t bc, uint32_t* vp,
+                                             const Workspace& w) const {
   const int64_t dv_pad = plan_.dv_pad;
+  const int64_t col_stride = sizeof(EK) == 1 ? 1 : p_.v_stride[3];  // of the rows below
+  // Row `index` (of the tile) at v, as bf16.
+  auto bf16_row = [&](const EK* v, int64_t index) -> const uint16_t* {
+    if constexpr (sizeof(EK) == 1) {
+      uint16_t* row = reinterpret_cast<uint16_t*>(w.k) + index % 2 * p_.Dv;
+      if (p_.v_stride[3] == 1) {
+        Fp8ToBf16<TK>().row(v, p_.Dv, row);
+      } else {
+        for (int64_t d = 0; d < p_.Dv; ++d) row[d] = fp8_to_bf16_bits<TK>(v[d * p_.v_stride[3]]);
+      }
+      return row;
+    } else {
+      return reinterpret_cast<const uint16_t*>(v);
+    }
+  };
   vrows.for_each_run(j0, bc, [&](const EK* v, int64_t first, int64_t n) {
-    const uint16_t* a = reinterpret_cast<const uint16_t*>(v);
-    for (int64_t j = first; j < first + n; ++j, a += vrows.stride) {
+    for (int64_t j = first; j < first + n; ++j, v += vrows.stride) {
       // The rows of a pair may lie in different pages: a pair's second row that starts
       // a run is added to the pair its first row left half empty.
       uint32_t* dst = vp + j / 2 * dv_pad;  // j counts from the tile's first key
+      const uint16_t* a = bf16_row(v, j);
       if (j % 2 == 0) {
         const bool second_here = j + 1 < first + n;
-        interleave_bf16_rows(a, second_here ? a + vrows.stride : nullptr, p_.v_stride[3], p_.Dv, dv_pad, dst);
-        if (second_here) ++j, a += vrows.stride;
+        interleave_bf16_rows(a, second_here ? bf16_row(v + vrows.stride, j + 1) : nullptr, col_stride, p_.Dv,
+                             dv_pad, dst);
+        if (second_here) ++j, v += vrows.stride;
       } else {
-        for (int64_t d = 0; d < p_.Dv; ++d) dst[d] |= uint32_t{a[d * p_.v_stride[3]]} << 16;
+        for (int64_t d = 0; d < p_.Dv; ++d) dst[d] |= uint32_t{a[d * col_stride]} << 16;
       }
     }
   });
@@ -150,7 +173,7 @@ void AttentionTask<T, TK>::pv_amx(const RowBlock& rb, const KvRows<EK>& vrows, u
   transpose_matrix(reinterpret_cast<const float*>(pp), ld, kp, ld, reinterpret_cast<float*>(p_rows), kp);
   uint32_t* vp = reinterpret_cast<uint32_t*>(w.v);
   if (!v_pairs_) {
-    interleave_v_tile(vrows, j0, bc, vp);
+    interleave_v_tile(vrows, j0, bc, vp, w);
     std::memset(vp + pairs * dv_pad, 0, sizeof(uint32_t) * (kp - pairs) * dv_pad);
     gemm_amx_bf16(ld, dv_pad, kp, p_rows, kp, vp, dv_pad, w.o, dv_pad, true);
     return;

@@ -103,7 +103,8 @@ struct Mode {
   int64_t chunked_row;  // key blocks: chunks × that, the length of a packed K row
   bool pv_bf16;         // P·V on bf16 pairs: sage int8, and the bf16 tile loop, on avx512bf16
   bool k_in_place;      // K rows used where they are, without packing
-  bool v_split_bf16;    // bf16 V rows read in place by the P·V tile; O in split order
+  bool v_split_bf16;    // P·V on bf16 V rows (in place; an fp8 cache's converted per key block, in
+                        // decode) by the split-bf16 tile; O in split order
 };
 
 // How the work splits into tasks, and the per-thread workspace each task uses.
@@ -114,7 +115,7 @@ struct Plan {
   int64_t rows_pad, d_pad, dv_pad, workspace_floats, partial_floats;
   int64_t k_floats;          // the K tile's space (AMX also stages P's rows there)
   int64_t key_tile;          // keys per tile of the tile loop: kKvTile, or kAmxKvTile (bf16 on AMX)
-  bool bf16_dot;             // bf16 inputs on avx512bf16: K·Qᵀ with vdpbf16ps
+  bool bf16_dot;             // bf16 inputs (or fp8_pairs) on avx512bf16: K·Qᵀ with vdpbf16ps
   bool fp8_pairs;            // bf16 queries over an fp8 cache on avx512bf16: decode's K rows
                              // converted exactly to bf16 pairs for vdpbf16ps
   bool int8;                 // sage int8 mode: K·Qᵀ on int8 codes
@@ -144,11 +145,12 @@ struct Plan {
     rows_pad = round_up(rows, kLanes);
     d_pad = round_up(p.D, kLanes);
     dv_pad = round_up(p.Dv, kLanes);
-    // fp8 caches (paged) are widened to fp32 as they are packed (the fp32 paths below),
-    // except decode's K rows under bf16 queries (fp8_pairs).
-    bf16_dot = kDotProducts && !int8 && bf16_inputs;
+    // fp8 caches (paged) under bf16 queries convert exactly to bf16 pairs (fp8_pairs): the
+    // tile loop's K and V tiles (bf16_dot; not on AMX tiles, where fp8 widens to fp32) and
+    // decode's K rows. Else they are widened to fp32 as they are packed.
     fp8_pairs = kDotProducts && !int8 && p.dtype == DType::bfloat16 &&
                 (p.kv_dtype == DType::float8_e4m3fn || p.kv_dtype == DType::float8_e5m2);
+    bf16_dot = kDotProducts && !int8 && (bf16_inputs || (fp8_pairs && !kAmxTiles));
     v_in_place = p.kv_dtype == DType::float32 && p.v_stride[3] == 1 && p.Dv == dv_pad;
     tile = make_mode(p, rows, false);
     // Dense calls whose kv heads serve more than one task's rows: else each V tile is
@@ -278,12 +280,14 @@ struct Plan {
     const bool whole_chunks = !key_blocks || elems % segment == 0;
     if (bf16_dot) {
       const bool pairs_aligned = p.k_stride[0] % 2 == 0 && p.k_stride[1] % 2 == 0 && p.k_stride[2] % 2 == 0;
-      m.k_in_place = p.k_stride[3] == 1 && pairs_aligned && p.D % 2 == 0 && whole_chunks;
+      m.k_in_place = p.kv_dtype == DType::bfloat16 && p.k_stride[3] == 1 && pairs_aligned && p.D % 2 == 0 &&
+                     whole_chunks;
     } else {
       m.k_in_place = p.kv_dtype == DType::float32 && p.k_stride[3] == 1 && whole_chunks;
     }
-    m.v_split_bf16 =
-        p.kv_dtype == DType::bfloat16 && p.v_stride[3] == 1 && p.Dv % (2 * kLanes) == 0 && !m.pv_bf16 && !pv_int8;
+    const bool fp8_cache = p.kv_dtype == DType::float8_e4m3fn || p.kv_dtype == DType::float8_e5m2;
+    m.v_split_bf16 = (p.kv_dtype == DType::bfloat16 || (fp8_cache && key_blocks)) && p.v_stride[3] == 1 &&
+                     p.Dv % (2 * kLanes) == 0 && !m.pv_bf16 && !pv_int8;
     return m;
   }
 };

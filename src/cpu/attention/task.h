@@ -221,7 +221,7 @@ class AttentionTask {
   void pv_bf16(const RowBlock& rb, const KvRows<EK>& vrows, int64_t j0, int64_t bc, bool p_paired,
                const Workspace& w) const;
   void pv_pairs(const RowBlock& rb, const uint32_t* pp, const uint32_t* vp, int64_t pairs, const Workspace& w) const;
-  void interleave_v_tile(const KvRows<EK>& vrows, int64_t j0, int64_t bc, uint32_t* vp) const;
+  void interleave_v_tile(const KvRows<EK>& vrows, int64_t j0, int64_t bc, uint32_t* vp, const Workspace& w) const;
   void pack_q_row_pairs(const RowBlock& rb, const Workspace& w) const;
   void qk_rows_bf16(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t n, bool in_place,
                     float* s, int64_t lds, const Workspace& w) const;

@@ -121,7 +121,7 @@ void AttentionTask<T, TK>::rescale_output(const RowBlock& rb, const Workspace& w
 }
 
 // O += P · V for keys j0 .. j0+bc-1, V read in place (bf16 in split order, fp32 of unit
-// stride) or packed.
+// stride), converted to bf16 (fp8 in decode) or packed.
 template <DType T, DType TK>
 void AttentionTask<T, TK>::accumulate_pv(const RowBlock& rb, const KvRows<EK>& vrows, int64_t j0, int64_t bc,
                                          const Scores& p, const Workspace& w) const {
@@ -142,6 +142,16 @@ void AttentionTask<T, TK>::accumulate_pv(const RowBlock& rb, const KvRows<EK>& v
                                  plan_.dv_pad, true);
     }
   };
+  if constexpr (sizeof(EK) == 1) {  // an fp8 cache's rows converted exactly to bf16 (Fp8ToBf16)
+    if (rb.mode->v_split_bf16) {
+      uint16_t* rows = reinterpret_cast<uint16_t*>(w.v);
+      const Fp8ToBf16<TK> convert;
+      vrows.for_each_run(j0, bc, [&](const EK* v, int64_t first, int64_t n) {
+        for (int64_t j = 0; j < n; ++j) convert.row(v + j * vrows.stride, p_.Dv, rows + (first + j) * p_.Dv);
+      });
+      return gemm_pv(static_cast<const uint16_t*>(rows), p_.Dv, 0, bc);
+    }
+  }
   if (rb.mode->v_split_bf16 || plan_.v_in_place) {  // a gemm per run of rows at one stride
     vrows.for_each_run(j0, bc, [&](const EK* v, int64_t first, int64_t n) {
       if constexpr (TK == DType::bfloat16 || TK == DType::float32) gemm_pv(v, vrows.stride, first, n);

@@ -167,10 +167,9 @@ class Fp8ToBf16 {
       for (int m = 0; m < 128; ++m) t.bits[m] = fp8_to_bf16_bits<T>(static_cast<uint8_t>(m));
       return t;
     }();
+    bits_ = table.bits;
 #if defined(ATTNKIT_ISA_avx512)
     for (int t = 0; t < 4; ++t) table_[t] = _mm512_load_si512(table.bits + 32 * t);
-#else
-    std::memcpy(table_, table.bits, sizeof table_);
 #endif
   }
 
@@ -190,21 +189,19 @@ class Fp8ToBf16 {
       const __m512i bf16 = _mm512_ternarylogic_epi32(magnitude, _mm512_slli_epi16(x, 8), sign_bit, 0xF8);
       _mm512_storeu_si512(dst + i, bf16);
     }
-    const uint16_t* table = reinterpret_cast<const uint16_t*>(table_);
-#else
-    const uint16_t* table = table_;
 #endif
-    for (; i < n; ++i) dst[i] = static_cast<uint16_t>(table[src[i] & 0x7F] | (src[i] & 0x80) << 8);
+    // The tail from the table itself (reading table_'s registers through a uint16_t pointer
+    // broke strict aliasing: garbage where the object was a temporary).
+    for (; i < n; ++i) dst[i] = static_cast<uint16_t>(bits_[src[i] & 0x7F] | (src[i] & 0x80) << 8);
   }
 
  private:
   struct alignas(64) Table {
     uint16_t bits[128];  // bf16 bits of the fp8 magnitudes 0..127
   };
+  const uint16_t* bits_;  // Table::bits
 #if defined(ATTNKIT_ISA_avx512)
   __m512i table_[4];
-#else
-  uint16_t table_[128];
 #endif
 };
 
