@@ -40,6 +40,21 @@ def test_wrong_result_is_reported_not_timed():
     assert "FAILED" in res.stdout
 
 
+def test_paged_fp8_rows_name_the_bf16_path():
+    """fp8 cache rows under bf16 queries run the bf16 paths: their % peak is of the variant's
+    bf16 instruction (fp32 FMA on avx512amx, whose tile loop widens fp8)."""
+    import re
+
+    import attnkit
+
+    res = run_bench("--op", "paged", "--shape", "M", "--dtype", "float8_e4m3fn", "--threads", "1", "--repeats", "1",
+                    "--budget", "1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    row = next(line for line in res.stdout.splitlines() if re.match(r"\s+1\s+attnkit\s", line))
+    expected = {"avx512bf16": "vdpbf16ps"}.get(attnkit.get_isa(), "fp32 FMA")
+    assert re.search(r"\d% of " + expected, row), row
+
+
 def test_labels_and_per_instruction_peak():
     """The verify number is labelled, each row names the instruction its % peak is of (a
     bf16 row on vdpbf16ps against that peak, not fp32's), and the protocol it cites is in

@@ -56,8 +56,8 @@ def build_parser(ops) -> argparse.ArgumentParser:
                    help="named or custom shape; repeatable (default: the op's reference shapes)")
     p.add_argument("--dtype", action="append", metavar="DTYPE",
                    help="attention: float32 | bfloat16 | float16; sparse_mla: fp8 (float8_e4m3fn, "
-                        "q8kv8) | bfloat16; repeatable or comma-separated (default: per shape, "
-                        "as in docs/BENCH.md)")
+                        "q8kv8) | bfloat16; paged: the cache's, bfloat16 | fp8; repeatable or "
+                        "comma-separated (default: per shape, as in docs/BENCH.md)")
     p.add_argument("--threads", action="append", metavar="N[,N...]",
                    help="thread counts (default: 1 and all cores)")
     p.add_argument("--quick", action="store_true",

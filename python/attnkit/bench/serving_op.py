@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .attention_op import PEER_TOL_FACTOR, _as_f32, _check, exact_peak_of, visible_pairs
+from .machine import FP32_FMA, bf16_dot_of
 from .registry import (BenchOp, Contender, Counts, attnkit_contenders, itemsize, numpy_dtype,
                        optional_torch, register, shape_int)
 
@@ -285,6 +286,8 @@ class PagedOp(_ServingOp):
     shapes = PAGED_SHAPES
     default_shapes = ("P16", "P128", "M")
     shape_parser = _parse(PAGED_SHAPES)
+    dtype_aliases = {"bfloat16": "bfloat16", "bf16": "bfloat16",
+                     "float8_e4m3fn": "float8_e4m3fn", "fp8": "float8_e4m3fn", "e4m3": "float8_e4m3fn"}
 
     def dtypes_for(self, shape, requested):
         return (["bfloat16", "float8_e4m3fn"] if requested is None else list(requested)), ""
@@ -345,6 +348,17 @@ class PagedOp(_ServingOp):
     def verify(self, case, ref, out):
         cu_q = np.concatenate([[0], np.cumsum(case.shape.q_lens())]).astype(np.int32)
         return self._check_subset(case, ref, out, cu_q)
+
+    def peak_of(self, row):
+        """fp8 caches under the bf16 queries here convert exactly to bf16 and take the bf16
+        paths (vdpbf16ps on avx512bf16), except on avx512amx, whose tile loop widens fp8 to
+        fp32 for FMAs."""
+        import attnkit
+
+        if row.case.dtype.startswith("float8") and row.contender == "attnkit":
+            isa = attnkit.get_isa()
+            return FP32_FMA if isa == "avx512amx" else bf16_dot_of(isa)
+        return exact_peak_of(row)
 
     def contenders(self, case):
         import attnkit
