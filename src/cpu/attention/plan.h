@@ -370,6 +370,9 @@ struct KvRows {
   const E* row(int64_t j) const {
     return pages ? base + pages[j / page_size] * page_stride + j % page_size * stride : base + j * stride;
   }
+  // Whether row j + ahead lies in the run of row j's page (always when not paged): rows
+  // past a page are elsewhere, not the next ones.
+  bool in_page(int64_t j, int64_t ahead) const { return !pages || j % page_size + ahead < page_size; }
   // The end of the run of rows that starts at j, at most `end`.
   int64_t run_end(int64_t j, int64_t end) const {
     if (!pages) return end;

@@ -180,8 +180,8 @@ void AttentionTask<T, TK>::pack_rows(const KvRows<EK>& rows, int64_t j0, int64_t
                                      int64_t cols, int64_t ld, float* dst) {
   rows.for_each_run(j0, n, [&](const EK* src, int64_t first, int64_t count) {
     for (int64_t j = 0; j < count; ++j) {
-      prefetch_bytes(src, (j + kPrefetchRows) * rows.stride * int64_t{sizeof(EK)},
-                     cols * int64_t{sizeof(EK)});
+      if (rows.in_page(j0 + first + j, kPrefetchRows))
+        prefetch_bytes(src, (j + kPrefetchRows) * rows.stride * int64_t{sizeof(EK)}, cols * int64_t{sizeof(EK)});
       float* row = dst + (first + j) * ld;
       load_row<TK>(src + j * rows.stride, col_stride, cols, 1.0f, row);
       for (int64_t c = cols; c < ld; ++c) row[c] = 0.0f;
