@@ -4,8 +4,8 @@
 // pays (PrefetchChooser).
 #pragma once
 
-#include <chrono>
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -86,7 +86,8 @@ void AttentionTask<T, TK>::attend_kv_heads(const RowBlock* rbs, int64_t kv_heads
     for (int64_t i = 0; i < kv_heads; ++i) {
       attend_key_block(rbs[i], krows[i], vrows[i], j0, end, false, w.head(i));
       // Key j's K and V rows of all the task's heads (between the first's and the last's,
-      // see Plan::group_kv_heads) into L2.
+      // see Plan::group_kv_heads) into L2. Written inline: as a helper function or a lambda
+      // the same loop measured no faster than no prefetch (not understood).
       for (int64_t j = ahead + i * n_ahead / kv_heads; j < ahead + (i + 1) * n_ahead / kv_heads; ++j) {
         const EK *k = krows[0].row(j), *v = vrows[0].row(j);
         prefetch_bytes(k, 0, (k_last.row(j) - k + p_.D) * int64_t{sizeof(EK)}, Cache::l2);
