@@ -6,7 +6,7 @@ quantiser that writes V3.2 tokens.
 import numpy as np
 
 from . import _C
-from ._arrays import empty_like_kind, is_torch, kind_of, typed, typed_or_none, typed_output
+from ._arrays import empty_like_kind, kind_of, typed, typed_or_none, typed_output
 
 V32_TOKEN_BYTES = 656  # 512 fp8 e4m3 + 4 fp32 scales (one per 128 values) + 64 bf16 rope
 

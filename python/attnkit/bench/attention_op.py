@@ -15,7 +15,7 @@ import numpy as np
 
 from .machine import AMX_BF16, BF16_DOT, FP32_FMA, bf16_dot_of
 from .peers import onnxruntime_contender, openvino_contender
-from .registry import (BenchOp, Case, Check, Contender, Counts, attnkit_contenders, itemsize, numpy_dtype,
+from .registry import (BenchOp, Check, Contender, Counts, attnkit_contenders, itemsize, numpy_dtype,
                        optional_torch, register, shape_int)
 
 DTYPE_ALIASES = {

@@ -18,7 +18,7 @@ from typing import Optional
 import numpy as np
 
 from .machine import BF16_DOT, FP32_FMA, bf16_dot_of
-from .registry import (BenchOp, Case, Check, Contender, Counts, attnkit_contenders, itemsize, numpy_dtype,
+from .registry import (BenchOp, Check, Contender, Counts, attnkit_contenders, itemsize, numpy_dtype,
                        optional_torch, register, shape_int)
 
 FP8, BF16 = "float8_e4m3fn", "bfloat16"
