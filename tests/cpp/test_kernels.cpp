@@ -665,8 +665,13 @@ void check_fp8_to_bf16(float (*scalar)(uint8_t)) {
     std::vector<uint8_t> src(n);
     for (int64_t i = 0; i < n; ++i) src[i] = static_cast<uint8_t>((i * 37 + n) % 256);
     std::vector<uint16_t> dst(n + 1, 0xABCD);
-    convert.row(src.data(), n, dst.data());
+    convert.row(src.data(), 1, n, dst.data());
     EXPECT_EQ(dst[n], 0xABCD) << "wrote past n = " << n;
+    std::vector<uint8_t> strided(3 * n, 0xFF);  // every third byte (the scalar path)
+    std::vector<uint16_t> dst_strided(n);
+    for (int64_t i = 0; i < n; ++i) strided[3 * i] = src[i];
+    convert.row(strided.data(), 3, n, dst_strided.data());
+    EXPECT_EQ(dst_strided, std::vector<uint16_t>(dst.begin(), dst.begin() + n)) << "stride 3, n = " << n;
     for (int64_t i = 0; i < n; ++i) {
       const float want = scalar(src[i]), got = bfloat16_to_float(dst[i]);
       if (std::isnan(want)) {

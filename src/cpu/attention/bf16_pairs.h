@@ -104,11 +104,7 @@ void AttentionTask<T, TK>::interleave_v_tile(const KvRows<EK>& vrows, int64_t j0
   auto bf16_row = [&](const EK* v, int64_t index) -> const uint16_t* {
     if constexpr (sizeof(EK) == 1) {
       uint16_t* row = reinterpret_cast<uint16_t*>(w.k) + index % 2 * p_.Dv;
-      if (p_.v_stride[3] == 1) {
-        Fp8ToBf16<TK>().row(v, p_.Dv, row);
-      } else {
-        for (int64_t d = 0; d < p_.Dv; ++d) row[d] = fp8_to_bf16_bits<TK>(v[d * p_.v_stride[3]]);
-      }
+      Fp8ToBf16<TK>().row(v, p_.v_stride[3], p_.Dv, row);
       return row;
     } else {
       return reinterpret_cast<const uint16_t*>(v);
@@ -289,11 +285,7 @@ uint32_t* AttentionTask<T, TK>::pack_fp8_key_pairs(const KvRows<EK>& krows, int6
       // stalled and shape P128 took 1.3x the fp32 path's time)
       if (krows.in_page(j0 + j, kPrefetchRows)) prefetch_bytes(k, kPrefetchRows * krows.stride, p_.D);
       uint16_t* row = reinterpret_cast<uint16_t*>(kp + j * ld);
-      if (col_stride == 1) {
-        convert.row(k, p_.D, row);
-      } else {
-        for (int64_t d = 0; d < p_.D; ++d) row[d] = fp8_to_bf16_bits<TK>(k[d * col_stride]);
-      }
+      convert.row(k, col_stride, p_.D, row);
       if (p_.D % 2) row[p_.D] = 0;
       std::memset(kp + j * ld + pairs, 0, sizeof(uint32_t) * (ld - pairs));
     }

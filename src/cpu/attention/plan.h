@@ -115,6 +115,7 @@ struct Plan {
   int64_t rows_pad, d_pad, dv_pad, workspace_floats, partial_floats;
   int64_t k_floats;          // the K tile's space (AMX also stages P's rows there)
   int64_t key_tile;          // keys per tile of the tile loop: kKvTile, or kAmxKvTile (bf16 on AMX)
+  bool fp8_cache;            // K and V in a float8 cache (e4m3, e5m2)
   bool bf16_dot;             // bf16 inputs (or fp8_pairs) on avx512bf16: K·Qᵀ with vdpbf16ps
   bool fp8_pairs;            // bf16 queries over an fp8 cache on avx512bf16: decode's K rows
                              // converted exactly to bf16 pairs for vdpbf16ps
@@ -148,8 +149,8 @@ struct Plan {
     // fp8 caches (paged) under bf16 queries convert exactly to bf16 pairs (fp8_pairs): the
     // tile loop's K and V tiles (bf16_dot; not on AMX tiles, where fp8 widens to fp32) and
     // decode's K rows. Else they are widened to fp32 as they are packed.
-    fp8_pairs = kDotProducts && !int8 && p.dtype == DType::bfloat16 &&
-                (p.kv_dtype == DType::float8_e4m3fn || p.kv_dtype == DType::float8_e5m2);
+    fp8_cache = p.kv_dtype == DType::float8_e4m3fn || p.kv_dtype == DType::float8_e5m2;
+    fp8_pairs = kDotProducts && !int8 && p.dtype == DType::bfloat16 && fp8_cache;
     bf16_dot = kDotProducts && !int8 && (bf16_inputs || (fp8_pairs && !kAmxTiles));
     v_in_place = p.kv_dtype == DType::float32 && p.v_stride[3] == 1 && p.Dv == dv_pad;
     tile = make_mode(p, rows, false);
@@ -285,7 +286,6 @@ struct Plan {
     } else {
       m.k_in_place = p.kv_dtype == DType::float32 && p.k_stride[3] == 1 && whole_chunks;
     }
-    const bool fp8_cache = p.kv_dtype == DType::float8_e4m3fn || p.kv_dtype == DType::float8_e5m2;
     m.v_split_bf16 = (p.kv_dtype == DType::bfloat16 || (fp8_cache && key_blocks)) && p.v_stride[3] == 1 &&
                      p.Dv % (2 * kLanes) == 0 && !m.pv_bf16 && !pv_int8;
     return m;

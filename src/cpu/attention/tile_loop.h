@@ -147,7 +147,7 @@ void AttentionTask<T, TK>::accumulate_pv(const RowBlock& rb, const KvRows<EK>& v
       uint16_t* rows = reinterpret_cast<uint16_t*>(w.v);
       const Fp8ToBf16<TK> convert;
       vrows.for_each_run(j0, bc, [&](const EK* v, int64_t first, int64_t n) {
-        for (int64_t j = 0; j < n; ++j) convert.row(v + j * vrows.stride, p_.Dv, rows + (first + j) * p_.Dv);
+        for (int64_t j = 0; j < n; ++j) convert.row(v + j * vrows.stride, 1, p_.Dv, rows + (first + j) * p_.Dv);
       });
       return gemm_pv(static_cast<const uint16_t*>(rows), p_.Dv, 0, bc);
     }

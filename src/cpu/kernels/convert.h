@@ -153,8 +153,8 @@ inline uint16_t fp8_to_bf16_bits(uint8_t x) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
-// Rows of fp8 converted to bf16 bits (decode's Q·Kᵀ on bf16 pairs over an fp8 cache: in
-// order, consecutive elements are the pairs). On AVX-512 a table of the 128 magnitudes'
+// Rows of fp8 converted to bf16 bits (fp8 caches under bf16 queries: K rows, in order,
+// are the pairs along D; V rows are bf16 rows). On AVX-512 a table of the 128 magnitudes'
 // bf16 bits in four registers, looked up 32 elements at a time (two vpermt2w, one blend
 // on bit 6, the sign or-ed in): about 7 instructions for 32 elements, where the float32
 // widening takes about 10 for 16.
@@ -173,12 +173,12 @@ class Fp8ToBf16 {
 #endif
   }
 
-  // dst[i] = bf16 bits of src[i] for i < n.
-  void row(const uint8_t* src, int64_t n, uint16_t* dst) const {
+  // dst[i] = bf16 bits of src[i * stride] for i < n (the vector path at stride 1).
+  void row(const uint8_t* src, int64_t stride, int64_t n, uint16_t* dst) const {
     int64_t i = 0;
 #if defined(ATTNKIT_ISA_avx512)
     const __m512i sign_bit = _mm512_set1_epi16(static_cast<short>(0x8000)), bit6 = _mm512_set1_epi16(0x40);
-    for (; i + 32 <= n; i += 32) {
+    for (; stride == 1 && i + 32 <= n; i += 32) {
       const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
       // permutex2var reads the index's low 6 bits: magnitudes 0-63 from the first pair of
       // registers, 64-127 from the second.
@@ -192,7 +192,10 @@ class Fp8ToBf16 {
 #endif
     // The tail from the table itself (reading table_'s registers through a uint16_t pointer
     // broke strict aliasing: garbage where the object was a temporary).
-    for (; i < n; ++i) dst[i] = static_cast<uint16_t>(bits_[src[i] & 0x7F] | (src[i] & 0x80) << 8);
+    for (; i < n; ++i) {
+      const uint8_t x = src[i * stride];
+      dst[i] = static_cast<uint16_t>(bits_[x & 0x7F] | (x & 0x80) << 8);
+    }
   }
 
  private:
