@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import attnkit
-from conftest import DTYPES, np_dtype, poison, randn, strided_like, to_torch
+from conftest import DTYPES, assert_bits_equal, np_dtype, poison, randn, strided_like, to_torch
 from reference import assert_close, tolerance, to_f64
 from serving_reference import paged_ref, varlen_ref
 
@@ -241,6 +241,25 @@ def test_paged_fp8_prefill_bf16_queries(rng, cache_dtype, case, isa):
     _, lse = attnkit.paged_attention(q, kc, v_in, table, lens, cu_q, k_scale=0.25, v_scale=0.5,
                                      return_lse=True, out=out)
     check(out, lse, paged_ref(q, kc, vc, table, lens, cu_q, True, None, 0.25, 0.5), "bfloat16")
+
+
+@pytest.mark.parametrize("cache_dtype", list(FP8))
+@pytest.mark.parametrize("isa_name", [i for i in attnkit.supported_isas() if i in ("avx512bf16", "avx512amx")])
+def test_paged_fp8_cache_runs_the_bf16_path(rng, cache_dtype, isa_name, restore_runtime):
+    """With bf16 queries an fp8 cache is converted exactly to bf16 and runs the bf16 cache's
+    path (decode's key blocks; the tile loop, on AMX tiles on avx512amx): in a mixed batch
+    its out and lse are bit-identical to those over a bf16 cache holding the same values."""
+    import ml_dtypes
+    attnkit.set_isa(isa_name)
+    q_lens, seq_lens = [1, 37, 1, 300], [700, 37, 2000, 900]
+    kc, vc, table = random_paged_batch(rng, q_lens, seq_lens, 16, 2, 128, 128, cache_dtype)
+    cu_q, lens = cu(q_lens), np.array(seq_lens, dtype=np.int32)
+    q = randn(rng, (cu_q[-1], 8, 128), "bfloat16")
+    got = attnkit.paged_attention(q, kc, vc, table, lens, cu_q, k_scale=1.0, v_scale=1.0, return_lse=True)
+    kb, vb = (x.astype(np.float32).astype(ml_dtypes.bfloat16) for x in (kc, vc))
+    want = attnkit.paged_attention(q, kb, vb, table, lens, cu_q, return_lse=True)
+    for a, b in zip(got, want):
+        assert_bits_equal(a, b, f"{cache_dtype} vs bf16 cache on {isa_name}")
 
 
 def test_paged_float_scale_and_torch(rng):

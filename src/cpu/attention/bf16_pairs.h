@@ -130,7 +130,8 @@ void AttentionTask<T, TK>::interleave_v_tile(const KvRows<EK>& vrows, int64_t j0
 
 #if defined(ATTNKIT_ISA_avx512amx)
 // Sᵀ = K · Qᵀ on AMX tiles, 16 keys at a time, unscaled: K rows in place where 16 of them lie
-// in one run and their pairs fill whole tiles, else staged as zero-padded pairs in w.k. It
+// in one run and their pairs fill whole tiles, else staged as zero-padded pairs in w.k (an
+// fp8 cache's converted exactly to bf16). It
 // writes whole tiles, so up to 15 score rows past bc (kScoreRows leaves room for them).
 template <DType T, DType TK>
 void AttentionTask<T, TK>::qk_amx(const KvRows<EK>& krows, bool k_in_place, int64_t j0, int64_t bc,
@@ -148,7 +149,12 @@ void AttentionTask<T, TK>::qk_amx(const KvRows<EK>& krows, bool k_in_place, int6
       continue;
     }
     const int64_t n = bc - j < kAmxTile ? bc - j : kAmxTile;
-    uint32_t* staged = pack_key_pairs(krows, j0 + j, n, kp, w);
+    uint32_t* staged;
+    if constexpr (sizeof(EK) == 1) {  // an fp8 cache
+      staged = pack_fp8_key_pairs(krows, j0 + j, n, kp, w);
+    } else {
+      staged = pack_key_pairs(krows, j0 + j, n, kp, w);
+    }
     std::memset(staged + n * kp, 0, sizeof(uint32_t) * (kAmxTile - n) * kp);
     gemm_amx_bf16(kAmxTile, ld, kp, staged, kp, qt, ld, w.st + j * ld, ld, false);
     j += n;
@@ -165,11 +171,11 @@ void AttentionTask<T, TK>::pv_amx(const RowBlock& rb, const KvRows<EK>& vrows, u
   const int64_t ld = plan_.rows_pad, dv_pad = plan_.dv_pad, pairs = (bc + 1) / 2;
   const int64_t kp = round_up(pairs, kAmxTile);
   std::memset(pp + pairs * ld, 0, sizeof(uint32_t) * (kp - pairs) * ld);
+  uint32_t* vp = reinterpret_cast<uint32_t*>(w.v);
+  if (!v_pairs_) interleave_v_tile(vrows, j0, bc, vp, w);  // first: an fp8 cache's rows pass through w.k
   uint32_t* p_rows = reinterpret_cast<uint32_t*>(w.k);  // [ld][kp]
   transpose_matrix(reinterpret_cast<const float*>(pp), ld, kp, ld, reinterpret_cast<float*>(p_rows), kp);
-  uint32_t* vp = reinterpret_cast<uint32_t*>(w.v);
   if (!v_pairs_) {
-    interleave_v_tile(vrows, j0, bc, vp, w);
     std::memset(vp + pairs * dv_pad, 0, sizeof(uint32_t) * (kp - pairs) * dv_pad);
     gemm_amx_bf16(ld, dv_pad, kp, p_rows, kp, vp, dv_pad, w.o, dv_pad, true);
     return;
@@ -271,7 +277,7 @@ uint32_t* AttentionTask<T, TK>::pack_key_pairs(const KvRows<EK>& krows, int64_t 
   return kp;
 }
 
-// Decode over an fp8 cache: K rows j0 .. j0+n-1 converted exactly to bf16 pairs into w.k,
+// An fp8 cache (decode, the tile loop): K rows j0 .. j0+n-1 converted exactly to bf16 pairs into w.k,
 // rows of ld pairs (zero past the row's own pairs; odd D ends with a zero).
 template <DType T, DType TK>
 uint32_t* AttentionTask<T, TK>::pack_fp8_key_pairs(const KvRows<EK>& krows, int64_t j0, int64_t n, int64_t ld,

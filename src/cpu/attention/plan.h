@@ -117,8 +117,8 @@ struct Plan {
   int64_t key_tile;          // keys per tile of the tile loop: kKvTile, or kAmxKvTile (bf16 on AMX)
   bool fp8_cache;            // K and V in a float8 cache (e4m3, e5m2)
   bool bf16_dot;             // bf16 inputs (or fp8_pairs) on avx512bf16: K·Qᵀ with vdpbf16ps
-  bool fp8_pairs;            // bf16 queries over an fp8 cache on avx512bf16: decode's K rows
-                             // converted exactly to bf16 pairs for vdpbf16ps
+  bool fp8_pairs;            // bf16 queries over an fp8 cache on avx512bf16: its K and V rows
+                             // converted exactly to bf16 pairs (vdpbf16ps, AMX tiles)
   bool int8;                 // sage int8 mode: K·Qᵀ on int8 codes
   bool pv_int8;              // sage int8_pv_int8 mode: P·V on u8 P and s8 V codes too
   bool v_in_place;           // fp32 V rows with unit stride need no packing
@@ -134,7 +134,12 @@ struct Plan {
     pv_int8 = pv_int8_mode;
     // The tile loop's P·V on AMX tiles: bf16 inputs (Q·Kᵀ too), and sage int8's P·V.
     const bool bf16_inputs = p.dtype == DType::bfloat16 && p.kv_dtype == DType::bfloat16;
-    amx = kAmxTiles && (int8 ? !pv_int8 : bf16_inputs);
+    // fp8 caches (paged) under bf16 queries convert exactly to bf16 pairs (fp8_pairs): the
+    // tile loop's K and V tiles (bf16_dot, on AMX tiles too) and decode's K rows. Else they
+    // are widened to fp32 as they are packed.
+    fp8_cache = p.kv_dtype == DType::float8_e4m3fn || p.kv_dtype == DType::float8_e5m2;
+    fp8_pairs = kDotProducts && !int8 && p.dtype == DType::bfloat16 && fp8_cache;
+    amx = kAmxTiles && (int8 ? !pv_int8 : bf16_inputs || fp8_pairs);
     const int64_t row_target = amx ? kAmxRowTarget : kRowTarget;
     heads_per_task = p.group < row_target ? p.group : row_target;
     positions_per_task = row_target / heads_per_task;
@@ -146,12 +151,7 @@ struct Plan {
     rows_pad = round_up(rows, kLanes);
     d_pad = round_up(p.D, kLanes);
     dv_pad = round_up(p.Dv, kLanes);
-    // fp8 caches (paged) under bf16 queries convert exactly to bf16 pairs (fp8_pairs): the
-    // tile loop's K and V tiles (bf16_dot; not on AMX tiles, where fp8 widens to fp32) and
-    // decode's K rows. Else they are widened to fp32 as they are packed.
-    fp8_cache = p.kv_dtype == DType::float8_e4m3fn || p.kv_dtype == DType::float8_e5m2;
-    fp8_pairs = kDotProducts && !int8 && p.dtype == DType::bfloat16 && fp8_cache;
-    bf16_dot = kDotProducts && !int8 && (bf16_inputs || (fp8_pairs && !kAmxTiles));
+    bf16_dot = kDotProducts && !int8 && (bf16_inputs || fp8_pairs);
     v_in_place = p.kv_dtype == DType::float32 && p.v_stride[3] == 1 && p.Dv == dv_pad;
     tile = make_mode(p, rows, false);
     // Dense calls whose kv heads serve more than one task's rows: else each V tile is
