@@ -874,6 +874,104 @@ ISA_TEST(GemmBf16, MatchesFloat64Reference) {
   }
 }
 
+// Decode's P·V from V's bf16 rows (gemm_bf16_row_pairs): every edge tile (rows around MR,
+// column blocks around NV2), unaligned B rows NaN-padded past n (reading past n shows),
+// accumulating or not; C's columns in pair order, NaN-poisoned C fully written, C's padding
+// columns untouched; unpair_bf16_row puts a row back in column order.
+ISA_TEST(GemmBf16RowPairs, MatchesFloat64Reference) {
+  SKIP_UNLESS_RUNNABLE();
+  std::mt19937 gen(9);
+  std::normal_distribution<float> dist;
+  auto bf16 = [&] { return float_to_bfloat16(dist(gen)); };
+  for (int64_t m : {1, kRowPairRows - 1, kRowPairRows, kRowPairRows + 1, 2 * kRowPairRows + 1}) {
+    for (int64_t n : {32, 64, 96, 160}) {
+      for (int64_t pairs : {1, 3, 8}) {
+        for (bool accumulate : {false, true}) {
+          const int64_t lda = pairs + 5, ldb = n + 33, ldc = n + 16;
+          std::vector<uint32_t> a(m * lda);
+          for (auto& x : a) x = bf16() | uint32_t{bf16()} << 16;
+          std::vector<uint16_t> b(2 * pairs * ldb, 0xFFFF);
+          for (int64_t j = 0; j < 2 * pairs; ++j) {
+            for (int64_t d = 0; d < n; ++d) b[j * ldb + d] = bf16();
+          }
+          std::vector<float> c(m * ldc), c0;
+          for (int64_t i = 0; i < m; ++i) {
+            for (int64_t j = 0; j < ldc; ++j) c[i * ldc + j] = j < n && !accumulate ? NAN : dist(gen);
+          }
+          c0 = c;
+          gemm_bf16_row_pairs<kRowPairRows, kRowPairVecs>(m, n, pairs, a.data(), lda, b.data(), ldb, c.data(), ldc,
+                                                          accumulate);
+          for (int64_t i = 0; i < m; ++i) {
+            for (int64_t j = n; j < ldc; ++j) ASSERT_EQ(c[i * ldc + j], c0[i * ldc + j]) << "padding " << j;
+            std::vector<float> row(n);
+            unpair_bf16_row(c.data() + i * ldc, n, row.data());
+            for (int64_t d = 0; d < n; ++d) {
+              const int64_t at = pair_order_column(d);
+              ASSERT_EQ(bits_of(row[d]), bits_of(c[i * ldc + at])) << "unpair, column " << d;
+              double ref = accumulate ? c0[i * ldc + at] : 0.0, mag = std::fabs(ref);
+              for (int64_t p = 0; p < 2 * pairs; ++p) {
+                const double prod =
+                    double(bfloat16_to_float(uint16_t(a[i * lda + p / 2] >> (16 * (p % 2))))) *
+                    bfloat16_to_float(b[p * ldb + d]);
+                ref += prod, mag += std::fabs(prod);
+              }
+              ASSERT_NEAR(row[d], ref, 1e-6 * (mag + 1))
+                  << "m=" << m << " n=" << n << " pairs=" << pairs << " acc=" << accumulate << " (" << i << ", " << d
+                  << ")";
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// Pair order within each block of 32 columns: a permutation that stays in its block, as
+// vpunpck{l,h}wd interleave within 128-bit lanes.
+ISA_TEST(GemmBf16RowPairs, PairOrderColumnIsAPermutation) {
+  SKIP_UNLESS_RUNNABLE();
+  std::vector<int> seen(96, 0);
+  for (int64_t d = 0; d < 96; ++d) {
+    const int64_t j = pair_order_column(d);
+    ASSERT_TRUE(j >= 0 && j < 96 && j / 32 == d / 32) << d;
+    ++seen[j];
+  }
+  for (int64_t j = 0; j < 96; ++j) EXPECT_EQ(seen[j], 1) << j;
+  EXPECT_EQ(pair_order_column(4), 16);
+  EXPECT_EQ(pair_order_column(9), 5);
+  EXPECT_EQ(pair_order_column(32 + 31), 32 + 31);
+}
+
+// pair_values_bf16: consecutive values rounded as pair_rows_bf16 rounds (NaN a quiet NaN),
+// in place as decode calls it and into a separate buffer.
+ISA_TEST(Convert, PairValuesBf16RoundsAndPairs) {
+  SKIP_UNLESS_RUNNABLE();
+  std::mt19937 gen(13);
+  std::uniform_real_distribution<float> dist(-2.0f, 2.0f);
+  const int64_t n = 3 * kLanes;
+  std::vector<float> src(n);
+  for (auto& x : src) x = dist(gen);
+  src[5] = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> in_place = src;
+  std::vector<uint32_t> dst(n / 2 + 1, 0xDEADBEEF);
+  pair_values_bf16(src.data(), n, dst.data());
+  pair_values_bf16(in_place.data(), n, reinterpret_cast<uint32_t*>(in_place.data()));
+  for (int64_t i = 0; i < n / 2; ++i) {
+    uint32_t got_in_place;
+    std::memcpy(&got_in_place, &in_place[i], sizeof got_in_place);
+    ASSERT_EQ(dst[i], got_in_place) << i;
+    for (int half = 0; half < 2; ++half) {
+      const uint16_t want = float_to_bfloat16(src[2 * i + half]), got = uint16_t(dst[i] >> (16 * half));
+      if (want == 0xFFFF) {
+        ASSERT_EQ(got & 0x7FC0u, 0x7FC0u) << i;
+      } else {
+        ASSERT_EQ(got, want) << i << " " << half;
+      }
+    }
+  }
+  EXPECT_EQ(dst[n / 2], 0xDEADBEEFu);
+}
+
 #if defined(ATTNKIT_ISA_avx512amx)
 // AMX tiles: every block shape of the 2 × 2 tiling (odd tile counts in m and n), strided
 // operands, accumulating or not, against a float64 reference; C's padding columns untouched.

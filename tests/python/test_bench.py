@@ -42,7 +42,7 @@ def test_wrong_result_is_reported_not_timed():
 
 def test_paged_fp8_rows_name_the_bf16_path():
     """fp8 cache rows under bf16 queries run the bf16 paths: their % peak is of the variant's
-    bf16 instruction (fp32 FMA on avx512amx, whose tile loop widens fp8)."""
+    bf16 instruction (AMX tiles on avx512amx, vdpbf16ps on avx512bf16)."""
     import re
 
     import attnkit
@@ -51,7 +51,7 @@ def test_paged_fp8_rows_name_the_bf16_path():
                     "--budget", "1")
     assert res.returncode == 0, res.stdout + res.stderr
     row = next(line for line in res.stdout.splitlines() if re.match(r"\s+1\s+attnkit\s", line))
-    expected = {"avx512bf16": "vdpbf16ps"}.get(attnkit.get_isa(), "fp32 FMA")
+    expected = {"avx512bf16": "vdpbf16ps", "avx512amx": "tdpbf16ps"}.get(attnkit.get_isa(), "fp32 FMA")
     assert re.search(r"\d% of " + expected, row), row
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .attention_op import PEER_TOL_FACTOR, _as_f32, _check, exact_peak_of, visible_pairs
-from .machine import FP32_FMA, bf16_dot_of
+from .machine import bf16_dot_of
 from .registry import (BenchOp, Contender, Counts, attnkit_contenders, itemsize, numpy_dtype,
                        optional_torch, register, shape_int)
 
@@ -351,13 +351,11 @@ class PagedOp(_ServingOp):
 
     def peak_of(self, row):
         """fp8 caches under the bf16 queries here convert exactly to bf16 and take the bf16
-        paths (vdpbf16ps on avx512bf16), except on avx512amx, whose tile loop widens fp8 to
-        fp32 for FMAs."""
+        paths (AMX tiles on avx512amx, vdpbf16ps on avx512bf16)."""
         import attnkit
 
         if row.case.dtype.startswith("float8") and row.contender == "attnkit":
-            isa = attnkit.get_isa()
-            return FP32_FMA if isa == "avx512amx" else bf16_dot_of(isa)
+            return bf16_dot_of(attnkit.get_isa())
         return exact_peak_of(row)
 
     def contenders(self, case):

@@ -53,12 +53,7 @@ void AttentionTask<T, TK>::qk_bf16(const RowBlock& rb, const KvRows<EK>& krows, 
                                             1, qt, ld, w.st + first * ld, ld, false);
     });
   } else {
-    uint32_t* keys;
-    if constexpr (sizeof(EK) == 1) {  // an fp8 cache
-      keys = pack_fp8_key_pairs(krows, j0, bc, pairs, w);
-    } else {
-      keys = pack_key_pairs(krows, j0, bc, pairs, w);
-    }
+    uint32_t* keys = pack_key_pairs(krows, j0, bc, pairs, w);
     gemm_bf16<kDotWideRows, kDotWideVecs>(bc, ld, pairs, keys, pairs, 1, qt, ld, w.st, ld, false);
   }
 }
@@ -131,8 +126,8 @@ void AttentionTask<T, TK>::interleave_v_tile(const KvRows<EK>& vrows, int64_t j0
 #if defined(ATTNKIT_ISA_avx512amx)
 // Sᵀ = K · Qᵀ on AMX tiles, 16 keys at a time, unscaled: K rows in place where 16 of them lie
 // in one run and their pairs fill whole tiles, else staged as zero-padded pairs in w.k (an
-// fp8 cache's converted exactly to bf16). It
-// writes whole tiles, so up to 15 score rows past bc (kScoreRows leaves room for them).
+// fp8 cache's converted exactly to bf16). It writes whole tiles, so up to 15 score rows past
+// bc (kScoreRows leaves room for them).
 template <DType T, DType TK>
 void AttentionTask<T, TK>::qk_amx(const KvRows<EK>& krows, bool k_in_place, int64_t j0, int64_t bc,
                                   const Workspace& w) const {
@@ -149,12 +144,7 @@ void AttentionTask<T, TK>::qk_amx(const KvRows<EK>& krows, bool k_in_place, int6
       continue;
     }
     const int64_t n = bc - j < kAmxTile ? bc - j : kAmxTile;
-    uint32_t* staged;
-    if constexpr (sizeof(EK) == 1) {  // an fp8 cache
-      staged = pack_fp8_key_pairs(krows, j0 + j, n, kp, w);
-    } else {
-      staged = pack_key_pairs(krows, j0 + j, n, kp, w);
-    }
+    uint32_t* staged = pack_key_pairs(krows, j0 + j, n, kp, w);
     std::memset(staged + n * kp, 0, sizeof(uint32_t) * (kAmxTile - n) * kp);
     gemm_amx_bf16(kAmxTile, ld, kp, staged, kp, qt, ld, w.st + j * ld, ld, false);
     j += n;
@@ -234,12 +224,7 @@ void AttentionTask<T, TK>::qk_rows_bf16(const RowBlock& rb, const KvRows<EK>& kr
     keys = reinterpret_cast<const uint32_t*>(krows.row(j0)), ldk = krows.stride / 2;
   } else {  // whole chunks of kLanes zero-padded rows
     const int64_t ld = rb.mode->chunked_row;
-    uint32_t* kp;
-    if constexpr (sizeof(EK) == 1) {  // an fp8 cache
-      kp = pack_fp8_key_pairs(krows, j0, n, ld, w);
-    } else {
-      kp = pack_key_pairs(krows, j0, n, ld, w);
-    }
+    uint32_t* kp = pack_key_pairs(krows, j0, n, ld, w);
     std::memset(kp + n * ld, 0, sizeof(uint32_t) * (kLanes - n) * ld);
     keys = kp, ldk = ld;
   }
@@ -247,6 +232,43 @@ void AttentionTask<T, TK>::qk_rows_bf16(const RowBlock& rb, const KvRows<EK>& kr
                      reinterpret_cast<const uint32_t*>(w.qt), s, lds);
   const vfloat scale = vbroadcast(rb.scale);
   for (int64_t r = 0; r < rb.rows; ++r) vstore(s + r * lds, vload(s + r * lds) * scale);
+}
+
+// Decode: O += P · V for keys j0 .. j0+bc-1 on bf16 pairs of consecutive keys: P rounded to
+// bf16 in place (row r's pairs at the start of its row of scores; keys past bc have P = 0),
+// V's rows interleaved in registers (gemm_bf16_row_pairs), read where they lie when the
+// block's keys are one run of unit-stride rows in pairs, else staged as bf16 rows in w.v
+// (an fp8 cache's converted exactly; a lone last key pairs with a zero row). O comes in
+// pair order.
+template <DType T, DType TK>
+void AttentionTask<T, TK>::pv_row_pairs(const RowBlock& rb, const KvRows<EK>& vrows, int64_t j0, int64_t bc,
+                                        const Workspace& w) const {
+  const int64_t lds = kDecodeKeys;
+  uint32_t* pp = reinterpret_cast<uint32_t*>(w.st);
+  for (int64_t r = 0; r < rb.rows; ++r) pair_values_bf16(w.st + r * lds, lds, pp + r * lds);
+  const uint16_t* v;
+  int64_t ldv;
+  if (sizeof(EK) == 2 && bc % 2 == 0 && p_.v_stride[3] == 1 && vrows.run_end(j0, j0 + bc) == j0 + bc) {
+    v = reinterpret_cast<const uint16_t*>(vrows.row(j0)), ldv = vrows.stride;  // EK is bf16 here
+  } else {
+    uint16_t* rows = reinterpret_cast<uint16_t*>(w.v);
+    const int64_t col_stride = p_.v_stride[3];
+    vrows.for_each_run(j0, bc, [&](const EK* src, int64_t first, int64_t n) {
+      for (int64_t j = 0; j < n; ++j) {
+        const EK* row = src + j * vrows.stride;
+        uint16_t* dst = rows + (first + j) * p_.Dv;
+        if constexpr (sizeof(EK) == 1) {
+          Fp8ToBf16<TK>().row(row, col_stride, p_.Dv, dst);
+        } else {
+          for (int64_t d = 0; d < p_.Dv; ++d) std::memcpy(dst + d, row + d * col_stride, sizeof(uint16_t));
+        }
+      }
+    });
+    if (bc % 2) std::memset(rows + bc * p_.Dv, 0, sizeof(uint16_t) * p_.Dv);
+    v = rows, ldv = p_.Dv;
+  }
+  gemm_bf16_row_pairs<kRowPairRows, kRowPairVecs>(rb.rows, p_.Dv, (bc + 1) / 2, pp, lds, v, ldv, w.o,
+                                                  plan_.dv_pad, true);
 }
 
 // D elements at src (stride `stride`) as bf16 pairs; odd D ends with a zero.
@@ -261,10 +283,12 @@ void AttentionTask<T, TK>::pack_pairs(const uint16_t* src, int64_t stride, uint3
     dst[d / 2] = pair(src[d * stride], d + 1 < p_.D ? src[(d + 1) * stride] : 0);
 }
 
-// K rows j0 .. j0+n-1 as bf16 pairs into w.k, rows of ld pairs (zero past the row's own pairs).
+// K rows j0 .. j0+n-1 as bf16 pairs into w.k (an fp8 cache's converted exactly), rows of ld
+// pairs (zero past the row's own pairs).
 template <DType T, DType TK>
 uint32_t* AttentionTask<T, TK>::pack_key_pairs(const KvRows<EK>& krows, int64_t j0, int64_t n, int64_t ld,
                                                const Workspace& w) const {
+  if constexpr (sizeof(EK) == 1) return pack_fp8_key_pairs(krows, j0, n, ld, w);
   uint32_t* kp = reinterpret_cast<uint32_t*>(w.k);
   const int64_t pairs = (p_.D + 1) / 2;
   krows.for_each_run(j0, n, [&](const EK* k, int64_t first, int64_t count) {
@@ -339,6 +363,9 @@ void AttentionTask<T, TK>::pack_q_row_pairs(const RowBlock&, const Workspace&) c
 template <DType T, DType TK>
 void AttentionTask<T, TK>::qk_rows_bf16(const RowBlock&, const KvRows<EK>&, int64_t, int64_t, bool, float*,
                                         int64_t, const Workspace&) const {}
+template <DType T, DType TK>
+void AttentionTask<T, TK>::pv_row_pairs(const RowBlock&, const KvRows<EK>&, int64_t, int64_t,
+                                        const Workspace&) const {}
 #endif
 
 }  // namespace attnkit::cpu::ATTNKIT_ISA::fwd

@@ -134,7 +134,11 @@ void AttentionTask<T, TK>::attend_key_block(const RowBlock& rb, const KvRows<EK>
   rescale_output(rb, w);
   if (p_.dropout_p > 0.0f) apply_dropout(rb, j0, bc, scores);
   if (prefetch) prefetch_rows(krows, j0 + kDecodeKeys, end, p_.D);
-  accumulate_pv(rb, vrows, j0, bc, scores, w);
+  if (rb.mode->pv_row_pairs) {
+    pv_row_pairs(rb, vrows, j0, bc, w);
+  } else {
+    accumulate_pv(rb, vrows, j0, bc, scores, w);
+  }
 }
 
 // Decode: rows first .. first + kDecodeKeys - 1 (those before `end`) of `cols` elements

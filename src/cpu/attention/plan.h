@@ -105,6 +105,8 @@ struct Mode {
   bool k_in_place;      // K rows used where they are, without packing
   bool v_split_bf16;    // P·V on bf16 V rows (in place; an fp8 cache's converted per key block, in
                         // decode) by the split-bf16 tile; O in split order
+  bool pv_row_pairs;    // key blocks: P·V on bf16 pairs, V's rows interleaved in registers
+                        // (gemm_bf16_row_pairs; an fp8 cache's converted); O in pair order
 };
 
 // How the work splits into tasks, and the per-thread workspace each task uses.
@@ -132,7 +134,8 @@ struct Plan {
   Plan(const AttentionParams& p, bool int8_mode, bool pv_int8_mode = false) {
     int8 = int8_mode;
     pv_int8 = pv_int8_mode;
-    // The tile loop's P·V on AMX tiles: bf16 inputs (Q·Kᵀ too), and sage int8's P·V.
+    // The tile loop's P·V on AMX tiles (Q·Kᵀ too, but for sage): bf16 inputs, bf16 queries over
+    // an fp8 cache (fp8_pairs), and sage int8's P·V.
     const bool bf16_inputs = p.dtype == DType::bfloat16 && p.kv_dtype == DType::bfloat16;
     // fp8 caches (paged) under bf16 queries convert exactly to bf16 pairs (fp8_pairs): the
     // tile loop's K and V tiles (bf16_dot, on AMX tiles too) and decode's K rows. Else they
@@ -268,8 +271,10 @@ struct Plan {
     m.qk_pairs = key_blocks && (bf16_dot || fp8_pairs);
     // bf16 inputs round P to bf16 for P·V, as FlashAttention and torch do: the products
     // and sums stay fp32, and vdpbf16ps runs it at nearly twice the fp32 FMA rate. Decode
-    // is bound by its reads, so it keeps P in fp32.
+    // does too, from V's rows as they lie: half the instructions of the split-bf16 tile's
+    // fp32 FMAs, and each V row read once.
     m.pv_bf16 = kDotProducts && ((int8 && !pv_int8) || (bf16_dot && !key_blocks));
+    m.pv_row_pairs = key_blocks && bf16_dot && p.Dv % 32 == 0;
     const int64_t elems = bf16_dot || m.qk_pairs ? (p.D + 1) / 2 : p.D;  // per Q/K row: fp32, or bf16 pairs
     m.rows_per_vec = rows_per_vector(rows, elems);
     const int64_t segment = kLanes / m.rows_per_vec;
@@ -287,7 +292,7 @@ struct Plan {
       m.k_in_place = p.kv_dtype == DType::float32 && p.k_stride[3] == 1 && whole_chunks;
     }
     m.v_split_bf16 = (p.kv_dtype == DType::bfloat16 || (fp8_cache && key_blocks)) && p.v_stride[3] == 1 &&
-                     p.Dv % (2 * kLanes) == 0 && !m.pv_bf16 && !pv_int8;
+                     p.Dv % (2 * kLanes) == 0 && !m.pv_bf16 && !m.pv_row_pairs && !pv_int8;
     return m;
   }
 };

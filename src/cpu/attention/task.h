@@ -12,6 +12,7 @@
 #include "cpu/attention/plan.h"
 #include "cpu/kernels/convert.h"
 #include "cpu/kernels/gemm.h"
+#include "cpu/kernels/gemm_dot.h"
 
 namespace attnkit::cpu::ATTNKIT_ISA::fwd {
 
@@ -185,6 +186,12 @@ class AttentionTask {
         unsplit_bf16_row(o, p_.Dv, scratch);
         o = scratch;
       }
+#if defined(ATTNKIT_ISA_avx512bf16)
+      if (rb.mode->pv_row_pairs) {
+        unpair_bf16_row(o, p_.Dv, scratch);
+        o = scratch;
+      }
+#endif
       if (plan_.pv_int8) o = unquantize_pv(rb, o, l, scratch);
       store_row<T>(o, inv, p_.Dv, dst, p_.out_stride[3]);
       if (p_.lse) {
@@ -225,6 +232,7 @@ class AttentionTask {
   void pack_q_row_pairs(const RowBlock& rb, const Workspace& w) const;
   void qk_rows_bf16(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t n, bool in_place,
                     float* s, int64_t lds, const Workspace& w) const;
+  void pv_row_pairs(const RowBlock& rb, const KvRows<EK>& vrows, int64_t j0, int64_t bc, const Workspace& w) const;
 #if defined(ATTNKIT_ISA_avx512bf16)
   static uint32_t pair(uint16_t lo, uint16_t hi);
   void pack_pairs(const uint16_t* src, int64_t stride, uint32_t* dst) const;

@@ -262,6 +262,15 @@ inline void pair_rows_bf16(const float* src, int64_t n, int64_t ld, uint32_t* ds
   }
 }
 
+// n fp32 values (a multiple of kLanes) rounded to bf16 as pair_rows_bf16 does, consecutive
+// ones paired: dst[i] = (src[2i], src[2i + 1]). dst may be src.
+inline void pair_values_bf16(const float* src, int64_t n, uint32_t* dst) {
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const vhalf h = __builtin_convertvector(round_to_bf16_bits(vload(src + i), kBf16QuietNan), vhalf);
+    std::memcpy(dst + i / 2, &h, sizeof h);
+  }
+}
+
 // Two bf16 rows as pairs: dst[i] = (a[i], b[i]) for i < n (b null: zeros), zero up to
 // n_pad; rows with element stride `stride`. The operand of vdpbf16ps along a key pair.
 inline void interleave_bf16_rows(const uint16_t* a, const uint16_t* b, int64_t stride, int64_t n, int64_t n_pad,

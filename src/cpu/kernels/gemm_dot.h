@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include "cpu/kernels/simd.h"
 #include "cpu/kernels/tiling.h"
@@ -22,6 +23,8 @@ namespace attnkit::cpu::ATTNKIT_ISA {
 // columns, and 8 keys × 3 give 24 accumulators (4 × 3 left vdpbf16ps's latency exposed:
 // 10% slower on Zen 5).
 inline constexpr int kDotWideRows = 8, kDotWideVecs = 3;
+// Decode's P·V from V's rows (gemm_bf16_row_pairs): 4 rows × 2 pairs of vectors (16 accumulators).
+inline constexpr int kRowPairRows = 4, kRowPairVecs = 2;
 
 // bf16 pairs (lo, hi): each fp32 lane adds a.lo·b.lo + a.hi·b.hi.
 struct Bf16PairsDot {
@@ -87,6 +90,75 @@ void gemm_bf16(int64_t m, int64_t n, int64_t k_pairs, const uint32_t* a, int64_t
   for_each_tile<GemmDotKernel<Bf16PairsDot>, MR, NV>(m, n, 16, [&](auto tile, int64_t m0, int64_t n0) {
     tile(k_pairs, a + m0 * lda, lda, a_step, b + n0, ldb, c + m0 * ldc + n0, ldc, accumulate);
   });
+}
+
+// Decode's P·V on bf16 pairs straight from V's bf16 rows: c[MR][NV2 * 32] (+)= Σ_p a[i * lda + p]
+// ⊙ (b[2p], b[2p + 1]), each pair of consecutive rows of B interleaved in registers
+// (vpunpck{l,h}wd) rather than staged as pairs in memory. Those interleave within 128-bit
+// lanes, so C's columns come in pair order (unpair_bf16_row puts them back).
+template <int MR, int NV2>
+void gemm_bf16_row_pairs_tile(int64_t k_pairs, const uint32_t* a, int64_t lda, const uint16_t* b, int64_t ldb,
+                              float* c, int64_t ldc, bool accumulate) {
+  __m512 acc[MR][2 * NV2];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 8
+    for (int j = 0; j < 2 * NV2; ++j) acc[i][j] = accumulate ? _mm512_loadu_ps(c + i * ldc + j * 16) : __m512{};
+  }
+  for (int64_t p = 0; p < k_pairs; ++p) {
+    __m512i bv[2 * NV2];
+    const uint16_t* even = b + 2 * p * ldb;
+#pragma GCC unroll 8
+    for (int j = 0; j < NV2; ++j) {
+      const __m512i x = _mm512_loadu_si512(even + j * 32), y = _mm512_loadu_si512(even + ldb + j * 32);
+      bv[2 * j] = _mm512_unpacklo_epi16(x, y);
+      bv[2 * j + 1] = _mm512_unpackhi_epi16(x, y);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512i ai = _mm512_set1_epi32(static_cast<int>(a[i * lda + p]));
+#pragma GCC unroll 8
+      for (int j = 0; j < 2 * NV2; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)ai, (__m512bh)bv[j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 8
+    for (int j = 0; j < 2 * NV2; ++j) _mm512_storeu_ps(c + i * ldc + j * 16, acc[i][j]);
+  }
+}
+
+struct GemmBf16RowPairsKernel {
+  template <int MR, int NV2>
+  static constexpr auto tile = &gemm_bf16_row_pairs_tile<MR, NV2>;
+};
+
+// c[m][n] (+)= A · B over k_pairs pairs of B's bf16 rows (2 · k_pairs rows of ldb elements);
+// n a multiple of 32; C's columns in pair order.
+template <int MR, int NV2>
+void gemm_bf16_row_pairs(int64_t m, int64_t n, int64_t k_pairs, const uint32_t* a, int64_t lda, const uint16_t* b,
+                         int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  for_each_tile<GemmBf16RowPairsKernel, MR, NV2>(m, n, 32, [&](auto tile, int64_t m0, int64_t n0) {
+    tile(k_pairs, a + m0 * lda, lda, b + n0, ldb, c + m0 * ldc + n0, ldc, accumulate);
+  });
+}
+
+// Where column d of a gemm_bf16_row_pairs product lies in C's row: within each block of 32,
+// columns 8l + i (i < 4) at 4l + i, columns 8l + 4 + i at 16 + 4l + i.
+inline int64_t pair_order_column(int64_t d) {
+  const int64_t i = d % 32;
+  return d - i + (i % 8 >= 4 ? 16 : 0) + i / 8 * 4 + i % 4;
+}
+
+// dst[d] = src[pair_order_column(d)] for d < n (a multiple of 32).
+template <int... L>
+inline void unpair_bf16_block(const float* src, float* dst, std::integer_sequence<int, L...>) {
+  const vfloat lo = vload(src), hi = vload(src + 16);
+  vstore(dst, __builtin_shufflevector(lo, hi, ((L % 8 >= 4 ? 16 : 0) + L / 8 * 4 + L % 4)...));
+  vstore(dst + 16, __builtin_shufflevector(lo, hi, ((L % 8 >= 4 ? 16 : 0) + (L + 16) / 8 * 4 + L % 4)...));
+}
+inline void unpair_bf16_row(const float* src, int64_t n, float* dst) {
+  for (int64_t d = 0; d < n; d += 32) unpair_bf16_block(src + d, dst + d, std::make_integer_sequence<int, 16>{});
 }
 
 // c[m][n] = A · B over k_quads int8 quads (A rows of u8, B of s8); n a multiple of 16.
