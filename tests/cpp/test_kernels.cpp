@@ -926,6 +926,47 @@ ISA_TEST(GemmBf16RowPairs, MatchesFloat64Reference) {
   }
 }
 
+// The indexer's fused tile (gemm_bf16_relu_dot): out[i] += Σ_c ReLU((A · B)[i][c]) · w[c] over
+// every edge tile (rows around MR, columns around NV vectors), strided A and B, against a
+// float64 reference; out's entries past m untouched; a NaN product stays NaN (ReLU keeps it).
+ISA_TEST(GemmBf16ReluDot, MatchesFloat64Reference) {
+  SKIP_UNLESS_RUNNABLE();
+  std::mt19937 gen(17);
+  std::normal_distribution<float> dist;
+  auto bf16 = [&] { return float_to_bfloat16(dist(gen)); };
+  for (int64_t m : {1, kTallRows - 1, kTallRows, kTallRows + 1, 2 * kTallRows + 3}) {
+    for (int64_t n : {16, 48, 64, 80, 128}) {
+      for (int64_t pairs : {1, 7, 64}) {
+        const int64_t lda = pairs + 3, ldb = n + 32;
+        std::vector<uint32_t> a(m * lda), b(pairs * ldb);
+        for (auto& x : a) x = bf16() | uint32_t{bf16()} << 16;
+        for (auto& x : b) x = bf16() | uint32_t{bf16()} << 16;
+        std::vector<float> w(n), out(m + 1);
+        for (auto& x : w) x = dist(gen);
+        for (auto& x : out) x = dist(gen);
+        const bool with_nan = m > 2 && pairs > 1;
+        if (with_nan) a[2 * lda + 1] = 0x7FC07FC0u;  // row 2: every score NaN
+        const std::vector<float> out0 = out;
+        gemm_bf16_relu_dot<kTallRows, kTallVecs>(m, n, pairs, a.data(), lda, b.data(), ldb, w.data(), out.data());
+        EXPECT_EQ(bits_of(out[m]), bits_of(out0[m])) << "past m";
+        for (int64_t i = 0; i < m; ++i) {
+          if (with_nan && i == 2) {
+            ASSERT_TRUE(std::isnan(out[i])) << "m=" << m << " n=" << n;
+            continue;
+          }
+          double ref = out0[i], mag = std::fabs(ref);
+          for (int64_t c = 0; c < n; ++c) {
+            const auto [dot, dot_mag] = pairs_dot(a.data() + i * lda, b.data() + c, ldb, pairs, 0.0);
+            const double term = std::max(dot, 0.0) * w[c];
+            ref += term, mag += (dot_mag + 1) * std::fabs(w[c]);
+          }
+          ASSERT_NEAR(out[i], ref, 1e-6 * (mag + 1)) << "m=" << m << " n=" << n << " pairs=" << pairs << " row " << i;
+        }
+      }
+    }
+  }
+}
+
 // Pair order within each block of 32 columns: a permutation that stays in its block, as
 // vpunpck{l,h}wd interleave within 128-bit lanes.
 ISA_TEST(GemmBf16RowPairs, PairOrderColumnIsAPermutation) {

@@ -161,6 +161,56 @@ inline void unpair_bf16_row(const float* src, int64_t n, float* dst) {
   for (int64_t d = 0; d < n; d += 32) unpair_bf16_block(src + d, dst + d, std::make_integer_sequence<int, 16>{});
 }
 
+// The lightning indexer's products with their reduction: for MR rows of A (keys, bf16 pairs)
+// against NV vectors of B's columns (one query row's heads), s = A · B stays in registers and
+// out[i] += Σ_c ReLU(s[i][c]) · w[c] (NaN kept), so the scores are never stored.
+template <int MR, int NV>
+void gemm_bf16_relu_dot_tile(int64_t k_pairs, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb,
+                             const float* w, float* out) {
+  __m512 acc[MR][NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) acc[i][j] = __m512{};
+  }
+  for (int64_t p = 0; p < k_pairs; ++p) {
+    __m512i bv[NV];
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) bv[j] = _mm512_loadu_si512(b + p * ldb + j * 16);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512i ai = _mm512_set1_epi32(static_cast<int>(a[i * lda + p]));
+#pragma GCC unroll 8
+      for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)ai, (__m512bh)bv[j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+    vfloat sum{};
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) {
+      const vfloat v = (vfloat)acc[i][j];
+      sum += (v < 0.0f ? vfloat{} : v) * vload(w + j * 16);
+    }
+    out[i] += hsum(sum);
+  }
+}
+
+struct GemmBf16ReluDotKernel {
+  template <int MR, int NV>
+  static constexpr auto tile = &gemm_bf16_relu_dot_tile<MR, NV>;
+};
+
+// out[i] += Σ_c ReLU((A · B)[i][c]) · w[c] for i < m, c < n (a multiple of 16), over k_pairs
+// bf16 pairs: A's rows of lda pairs, B's pairs [k_pairs][ldb].
+template <int MR, int NV>
+void gemm_bf16_relu_dot(int64_t m, int64_t n, int64_t k_pairs, const uint32_t* a, int64_t lda, const uint32_t* b,
+                        int64_t ldb, const float* w, float* out) {
+  for_each_tile<GemmBf16ReluDotKernel, MR, NV>(m, n, 16, [&](auto tile, int64_t m0, int64_t n0) {
+    tile(k_pairs, a + m0 * lda, lda, b + n0, ldb, w + n0, out + m0);
+  });
+}
+
 // c[m][n] = A · B over k_quads int8 quads (A rows of u8, B of s8); n a multiple of 16.
 template <int MR, int NV>
 void gemm_u8s8(int64_t m, int64_t n, int64_t k_quads, const uint32_t* a, int64_t lda, const uint32_t* b,
