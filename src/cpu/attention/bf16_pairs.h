@@ -252,18 +252,7 @@ void AttentionTask<T, TK>::pv_row_pairs(const RowBlock& rb, const KvRows<EK>& vr
     v = reinterpret_cast<const uint16_t*>(vrows.row(j0)), ldv = vrows.stride;  // EK is bf16 here
   } else {
     uint16_t* rows = reinterpret_cast<uint16_t*>(w.v);
-    const int64_t col_stride = p_.v_stride[3];
-    vrows.for_each_run(j0, bc, [&](const EK* src, int64_t first, int64_t n) {
-      for (int64_t j = 0; j < n; ++j) {
-        const EK* row = src + j * vrows.stride;
-        uint16_t* dst = rows + (first + j) * p_.Dv;
-        if constexpr (sizeof(EK) == 1) {
-          Fp8ToBf16<TK>().row(row, col_stride, p_.Dv, dst);
-        } else {
-          for (int64_t d = 0; d < p_.Dv; ++d) std::memcpy(dst + d, row + d * col_stride, sizeof(uint16_t));
-        }
-      }
-    });
+    stage_bf16_rows(vrows, j0, bc, rows);
     if (bc % 2) std::memset(rows + bc * p_.Dv, 0, sizeof(uint16_t) * p_.Dv);
     v = rows, ldv = p_.Dv;
   }

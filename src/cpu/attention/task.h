@@ -210,6 +210,7 @@ class AttentionTask {
   void pack_qt(const RowBlock& rb, const Workspace& w) const;
   static void pack_rows(const KvRows<EK>& rows, int64_t j0, int64_t n, int64_t col_stride, int64_t cols,
                         int64_t ld, float* dst);
+  void stage_bf16_rows(const KvRows<EK>& vrows, int64_t j0, int64_t n, uint16_t* rows) const;
 
   // Decode (decode.h): key blocks of one vector, row-major scores.
   void attend_rows(const RowBlock& rb, int64_t begin, int64_t end, const Workspace& w) const;

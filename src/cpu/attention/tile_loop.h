@@ -145,10 +145,7 @@ void AttentionTask<T, TK>::accumulate_pv(const RowBlock& rb, const KvRows<EK>& v
   if constexpr (sizeof(EK) == 1) {  // an fp8 cache's rows converted exactly to bf16 (Fp8ToBf16)
     if (rb.mode->v_split_bf16) {
       uint16_t* rows = reinterpret_cast<uint16_t*>(w.v);
-      const Fp8ToBf16<TK> convert;
-      vrows.for_each_run(j0, bc, [&](const EK* v, int64_t first, int64_t n) {
-        for (int64_t j = 0; j < n; ++j) convert.row(v + j * vrows.stride, 1, p_.Dv, rows + (first + j) * p_.Dv);
-      });
+      stage_bf16_rows(vrows, j0, bc, rows);
       return gemm_pv(static_cast<const uint16_t*>(rows), p_.Dv, 0, bc);
     }
   }
@@ -171,6 +168,26 @@ void AttentionTask<T, TK>::pack_qt(const RowBlock& rb, const Workspace& w) const
   for (int64_t r = 0; r < rb.rows; ++r)
     load_row<T>(q_row(rb, r), p_.q_stride[3], p_.D, rb.scale, w.k + r * lds);
   transpose_matrix(w.k, lds, plan_.rows_pad, lds, w.qt, plan_.rows_pad);
+}
+
+// bf16 or fp8 V rows j0 .. j0+n-1 as bf16 rows [n][Dv] (an fp8 cache's converted exactly),
+// any element stride.
+template <DType T, DType TK>
+void AttentionTask<T, TK>::stage_bf16_rows(const KvRows<EK>& vrows, int64_t j0, int64_t n, uint16_t* rows) const {
+  const int64_t col_stride = p_.v_stride[3];
+  auto each_row = [&](auto&& copy) {
+    vrows.for_each_run(j0, n, [&](const EK* src, int64_t first, int64_t count) {
+      for (int64_t j = 0; j < count; ++j) copy(src + j * vrows.stride, rows + (first + j) * p_.Dv);
+    });
+  };
+  if constexpr (sizeof(EK) == 1) {
+    const Fp8ToBf16<TK> convert;
+    each_row([&](const EK* row, uint16_t* dst) { convert.row(row, col_stride, p_.Dv, dst); });
+  } else {
+    each_row([&](const EK* row, uint16_t* dst) {
+      for (int64_t d = 0; d < p_.Dv; ++d) std::memcpy(dst + d, row + d * col_stride, sizeof(uint16_t));
+    });
+  }
 }
 
 // K or V rows j0 .. j0+n-1 of `cols` elements converted to fp32 [n][ld], zero-padded to

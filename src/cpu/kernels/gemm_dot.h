@@ -46,15 +46,11 @@ struct U8S8QuadsDot {
 
 // c[MR][NV*16] (+)= Σ_p a(i, p) ⊙ b[p][NV*16], where a(i, p) = a[i * lda + p * a_step] is
 // broadcast and B is read by vectors; ⊙ is Dot's instruction on packed elements.
+// acc[MR][NV] += Σ_p a(i, p) ⊙ b[p][NV*16] over k packed elements, a(i, p) = a[i * lda + p *
+// a_step] broadcast: the k loop every tile below shares.
 template <class Dot, int MR, int NV>
-void gemm_dot_tile(int64_t k, const uint32_t* a, int64_t lda, int64_t a_step, const uint32_t* b, int64_t ldb,
-                   typename Dot::Out* c, int64_t ldc, bool accumulate) {
-  typename Dot::Acc acc[MR][NV];
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i) {
-#pragma GCC unroll 8
-    for (int j = 0; j < NV; ++j) acc[i][j] = accumulate ? Dot::load(c + i * ldc + j * 16) : typename Dot::Acc{};
-  }
+inline void dot_tile_sums(int64_t k, const uint32_t* a, int64_t lda, int64_t a_step, const uint32_t* b, int64_t ldb,
+                          typename Dot::Acc (&acc)[MR][NV]) {
   for (int64_t p = 0; p < k; ++p) {
     __m512i bv[NV];
 #pragma GCC unroll 8
@@ -70,6 +66,18 @@ void gemm_dot_tile(int64_t k, const uint32_t* a, int64_t lda, int64_t a_step, co
       for (int j = 0; j < NV; ++j) acc[i][j] = Dot::madd(acc[i][j], ai, bv[j]);
     }
   }
+}
+
+template <class Dot, int MR, int NV>
+void gemm_dot_tile(int64_t k, const uint32_t* a, int64_t lda, int64_t a_step, const uint32_t* b, int64_t ldb,
+                   typename Dot::Out* c, int64_t ldc, bool accumulate) {
+  typename Dot::Acc acc[MR][NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) acc[i][j] = accumulate ? Dot::load(c + i * ldc + j * 16) : typename Dot::Acc{};
+  }
+  dot_tile_sums<Dot>(k, a, lda, a_step, b, ldb, acc);
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
 #pragma GCC unroll 8
@@ -173,17 +181,7 @@ void gemm_bf16_relu_dot_tile(int64_t k_pairs, const uint32_t* a, int64_t lda, co
 #pragma GCC unroll 8
     for (int j = 0; j < NV; ++j) acc[i][j] = __m512{};
   }
-  for (int64_t p = 0; p < k_pairs; ++p) {
-    __m512i bv[NV];
-#pragma GCC unroll 8
-    for (int j = 0; j < NV; ++j) bv[j] = _mm512_loadu_si512(b + p * ldb + j * 16);
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) {
-      const __m512i ai = _mm512_set1_epi32(static_cast<int>(a[i * lda + p]));
-#pragma GCC unroll 8
-      for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)ai, (__m512bh)bv[j]);
-    }
-  }
+  dot_tile_sums<Bf16PairsDot>(k_pairs, a, lda, 1, b, ldb, acc);
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
     vfloat sum{};
@@ -232,17 +230,7 @@ void gemm_u8s8_rescale_tile(int64_t k, const uint32_t* a, int64_t lda, int64_t a
 #pragma GCC unroll 8
     for (int j = 0; j < NV; ++j) acc[i][j] = __m512i{};
   }
-  for (int64_t p = 0; p < k; ++p) {
-    __m512i bv[NV];
-#pragma GCC unroll 8
-    for (int j = 0; j < NV; ++j) bv[j] = _mm512_loadu_si512(b + p * ldb + j * 16);
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) {
-      const __m512i ai = _mm512_set1_epi32(static_cast<int>(a[i * lda + p * a_step]));
-#pragma GCC unroll 8
-      for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], ai, bv[j]);
-    }
-  }
+  dot_tile_sums<U8S8QuadsDot>(k, a, lda, a_step, b, ldb, acc);
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
     const vfloat al = vbroadcast(alpha[i]), sc = vbroadcast(scale[i]);
