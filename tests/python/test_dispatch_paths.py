@@ -139,18 +139,18 @@ def test_avx512amx_is_avx512bf16_outside_the_bf16_tile_loop(rng, restore_runtime
                               np.asarray(run("avx512bf16", q, k, v, causal=True, enable_gqa=True)).view(np.uint16))
 
 
-@pytest.mark.skipif("avx512amx" not in attnkit.supported_isas(), reason="needs AMX (and the OS's leave)")
+@pytest.mark.parametrize("isa_name", attnkit.supported_isas())
 @pytest.mark.parametrize("unfused", [False, True])
 @pytest.mark.parametrize("scale", [0.5, 4.0])
-def test_avx512amx_lazy_max_follows_rising_logits(rng, unfused, scale, restore_runtime):
-    """The AMX tile loop's fused softmax moves a row's reference max only when a tile beats
-    it by more than ln 256: logits that climb across the 256-key tiles (scale 0.5: in about
+def test_lazy_max_follows_rising_logits(rng, isa_name, unfused, scale, restore_runtime):
+    """The bf16 tile loop's fused softmax (every ISA's: bf16 pairs and AMX tiles) moves a
+    row's reference max only when a tile beats it by more than ln 256: logits that climb across the 256-key tiles (scale 0.5: in about
     60% of (row, tile) pairs by more than that, in another 20% by less; scale 4: every row's
     max climbs by more than 88 over its first tile, so a max that never moved would
     overflow) and a late outlier key, vs float64; with a mask (the unfused softmax, exact
     max) as well."""
     import ml_dtypes
-    attnkit.set_isa("avx512amx")
+    attnkit.set_isa(isa_name)
     B, Hq, Hkv, Sq, Skv, D = 1, 8, 2, 70, 1300, 128
     q = rng.standard_normal((B, Hq, Sq, D)).astype(np.float32)
     k = rng.standard_normal((B, Hkv, Skv, D)).astype(np.float32)

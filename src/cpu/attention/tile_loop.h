@@ -69,7 +69,7 @@ void AttentionTask<T, TK>::attend(const RowBlock& rb, int64_t begin, int64_t end
     apply_score_mods(rb, j0, bc, scores, w);
     apply_masks(rb, j0, bc, scores);
     if (fused_pairs) {
-      online_softmax_tile_bf16_pairs(w.st, bc, ld, ld, rb.scale, w.m, w.l, w.alpha, plan_.amx);
+      online_softmax_tile_bf16_pairs(w.st, bc, ld, ld, rb.scale, w.m, w.l, w.alpha);
       rescale_output(rb, w);
       pv_bf16(rb, vrows, j0, bc, true, w);
       continue;
