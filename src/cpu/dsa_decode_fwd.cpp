@@ -77,10 +77,17 @@ class PagedRows {
   int64_t offset(int64_t block, int64_t in_block) const { return block * p_.block_stride + in_block * p_.token_stride; }
 
   // 512 fp8 values times their tile's scale, rounded to bf16, then the 64 bf16 rope values.
-  static void load_v32(const uint8_t* token, float* dst, uint16_t* bf16) {
+  // bf16 only (the bf16 P·V path) with a power-of-two scale (FlashMLA's quantiser writes
+  // those): the table conversion with the scale added to the exponents, exact.
+  void load_v32(const uint8_t* token, float* dst, uint16_t* bf16) const {
     float scales[kV32Tiles];
     std::memcpy(scales, token + kV32Nope, sizeof scales);
     for (int64_t tile = 0; tile < kV32Tiles; ++tile) {
+      int exponent;
+      if (!dst && power_of_two(scales[tile], &exponent)) {
+        to_bf16_.row(token + tile * kV32Tile, 1, kV32Tile, bf16 + tile * kV32Tile, exponent);
+        continue;
+      }
       const vfloat scale = vbroadcast(scales[tile]);
       for (int64_t i = tile * kV32Tile; i < (tile + 1) * kV32Tile; i += kLanes) {
         const vuint bits = round_to_bf16_bits(vload_as_float<DType::float8_e4m3fn>(token + i) * scale, kBf16QuietNan);
@@ -97,6 +104,16 @@ class PagedRows {
     if (dst) load_row<DType::bfloat16>(rope_bits, 1, kV32Rope, 1.0f, dst + kV32Nope);
     if (bf16) std::memcpy(bf16 + kV32Nope, rope_bits, sizeof rope_bits);
   }
+
+  // x = 2^exponent with |exponent| <= Fp8ToBf16::kMaxExponent.
+  static bool power_of_two(float x, int* exponent) {
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    *exponent = static_cast<int>(bits >> 23) - 127;
+    return (bits & 0x807FFFFFu) == 0 && std::abs(*exponent) <= Fp8ToBf16<DType::float8_e4m3fn>::kMaxExponent;
+  }
+
+  const Fp8ToBf16<DType::float8_e4m3fn> to_bf16_;
 };
 
 }  // namespace

@@ -142,6 +142,9 @@ class SparseMlaTask {
     const int64_t begin = std::min(split * plan_.split_slots, n_valid);
     const int64_t end = std::min(begin + plan_.split_slots, n_valid);
     pack_qt(s, h0, nh, qt, kv);  // the kv tile is free until the first gather
+    // P·V on bf16 pairs with a positive logit scale: the tile's softmax is dense attention's
+    // fused bf16-pairs form (softmax.h).
+    const bool fused_pairs = kBf16PV && p_.logit_scale > 0.0f && p_.logit_scale < INFINITY;
     std::memset(o, 0, sizeof(float) * nh * plan_.dv_pad);
     for (int64_t r = 0; r < ld; ++r) m[r] = -INFINITY, l[r] = 0.0f;
     for (int64_t t0 = begin; t0 < end; t0 += kSlotTile) {
@@ -151,12 +154,16 @@ class SparseMlaTask {
 #if defined(ATTNKIT_ISA_avx512bf16)  // Sᵀ = KV · Qᵀ on exact bf16 pairs, then the logit scale
       gemm_bf16<kWideRows, kTallVecs>(bc, ld, plan_.d_pairs, kv_pairs, plan_.d_pairs, 1,
                                       reinterpret_cast<const uint32_t*>(qt), ld, st, ld, false);
-      const vfloat scale = vbroadcast(p_.logit_scale);
-      for (int64_t i = 0; i < bc * ld; i += kLanes) vstore(st + i, vload(st + i) * scale);
+      if (fused_pairs) {  // the scale, the softmax (lazy max) and P's bf16 pairs in one pass
+        online_softmax_tile_bf16_pairs(st, bc, ld, ld, p_.logit_scale, m, l, alpha);
+      } else {
+        const vfloat scale = vbroadcast(p_.logit_scale);
+        for (int64_t i = 0; i < bc * ld; i += kLanes) vstore(st + i, vload(st + i) * scale);
+      }
 #else  // Sᵀ = KV · Qᵀ
       gemm<kWideRows, kTallVecs>(bc, ld, p_.d_qk, kv, plan_.d_pad, 1, qt, ld, st, ld, false);
 #endif
-      online_softmax_tile(st, bc, ld, ld, m, l, alpha);
+      if (!fused_pairs) online_softmax_tile(st, bc, ld, ld, m, l, alpha);
       for (int64_t r = 0; r < nh; ++r) {
         if (alpha[r] != 1.0f) scale_row(o + r * plan_.dv_pad, plan_.dv_pad, alpha[r]);
       }
@@ -164,7 +171,7 @@ class SparseMlaTask {
       if constexpr (kBf16PV) {  // O += P · V on bf16 pairs of keys
         uint32_t* p_pairs = reinterpret_cast<uint32_t*>(st);
         uint32_t* v_pairs = kv_pairs + kSlotTile * plan_.d_pairs;
-        pair_rows_bf16(st, bc, ld, p_pairs);
+        if (!fused_pairs) pair_rows_bf16(st, bc, ld, p_pairs);
         const uint16_t* v = reinterpret_cast<const uint16_t*>(kv_pairs);
         const int64_t row = 2 * plan_.d_pairs;
         for (int64_t k = 0; k < (bc + 1) / 2; ++k) {
@@ -229,9 +236,10 @@ class SparseMlaTask {
     const E* base = static_cast<const E*>(rows_.q_row(s));
     if (kBf16Dot && TQ == DType::bfloat16 && p_.q_stride[2] == 1 && p_.d_qk % 2 == 0) {
       uint32_t* qtp = reinterpret_cast<uint32_t*>(qt);
-      const E* q = base + h0 * p_.q_stride[1];
+      const int64_t head_stride = p_.q_stride[1];  // a local: the stores could alias p_'s
+      const E* q = base + h0 * head_stride;
       for (int64_t i = 0; i < plan_.d_pairs; ++i) {
-        for (int64_t r = 0; r < nh; ++r) std::memcpy(qtp + i * ld + r, q + r * p_.q_stride[1] + 2 * i, sizeof(uint32_t));
+        for (int64_t r = 0; r < nh; ++r) std::memcpy(qtp + i * ld + r, q + r * head_stride + 2 * i, sizeof(uint32_t));
       }
       return;
     }

@@ -665,7 +665,8 @@ ISA_TEST(Convert, VectorLoadsMatchScalarConversions) {
 }
 
 // fp8 -> bf16 (decode's K over an fp8 cache) is exact: for every code, in vector and tail
-// positions, the bf16 bits widen to the scalar float32 conversion bit for bit (NaN for NaN).
+// positions, the bf16 bits widen to the scalar float32 conversion bit for bit (NaN for NaN);
+// also times a power of two (the sparse decode's V3.2 tile scales).
 template <DType T>
 void check_fp8_to_bf16(float (*scalar)(uint8_t)) {
   const Fp8ToBf16<T> convert;
@@ -688,6 +689,20 @@ void check_fp8_to_bf16(float (*scalar)(uint8_t)) {
         ASSERT_EQ(bits_of(got), bits_of(want)) << "code " << int{src[i]} << " at " << i << " of " << n;
       }
       ASSERT_EQ(fp8_to_bf16_bits<T>(src[i]), dst[i]) << "code " << int{src[i]};
+    }
+    // times 2^e: the exact product of every code (zeros, NaN and inf kept), vector and tail
+    for (int e : {1, -1, 7, -13, Fp8ToBf16<T>::kMaxExponent, -Fp8ToBf16<T>::kMaxExponent}) {
+      std::fill(dst.begin(), dst.end(), 0xABCD);
+      convert.row(src.data(), 1, n, dst.data(), e);
+      EXPECT_EQ(dst[n], 0xABCD) << "wrote past n = " << n << ", e = " << e;
+      for (int64_t i = 0; i < n; ++i) {
+        const float want = std::ldexp(scalar(src[i]), e), got = bfloat16_to_float(dst[i]);
+        if (std::isnan(want)) {
+          ASSERT_TRUE(std::isnan(got)) << "code " << int{src[i]} << ", e = " << e;
+        } else {
+          ASSERT_EQ(bits_of(got), bits_of(want)) << "code " << int{src[i]} << " at " << i << " of " << n << ", e = " << e;
+        }
+      }
     }
   }
 }

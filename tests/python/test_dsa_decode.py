@@ -147,6 +147,30 @@ def test_sparse_all_invalid_and_no_topk_length():
     assert (f64(out) == 0).all() and (lse == np.inf).all()
 
 
+@pytest.mark.parametrize("scale", [2.0, -2.0, 1 / 24])
+def test_sparse_logits_rising_across_tiles(scale):
+    """Each row's indices ordered by head 0's logit, rising, so its max climbs over every
+    64-row tile (at scale 2 by more than the fused softmax's lazy-max slack, ln 256;
+    at the default 1/24 mostly by less); a negative scale takes the unfused softmax. Against
+    float64, with a sink, one split (topk 1000) and the split-KV merge (b 1, topk 1100)."""
+    rng = np.random.default_rng(17)
+    for b, topk in ((3, 1000), (1, 1100)):
+        c = SparseCase(rng, b, 1, 16, 1200, topk, 64, sink=True, tl=False)
+        values = D.v32_dequant(c.cache[:, :, 0].reshape(-1, 656))
+        slots = c.num_blocks * c.page
+        for bi in range(b):
+            row = c.indices[bi, 0]
+            valid = np.flatnonzero((row >= 0) & (row < slots))
+            logits = values[row[valid]] @ f64(c.q[bi, 0, 0])
+            row[valid] = row[valid][np.argsort(logits * np.sign(scale), kind="stable")]
+        out, lse = c.run(softmax_scale=scale)
+        ref = D.mla_decode_ref(c.q, c.cache, 512, softmax_scale=scale, is_fp8=True, indices=c.indices,
+                               attn_sink=c.sink)
+        used = lambda bi, i: D.rows_used(bi, i, 1, c.page, c.num_blocks, c.indices, None)
+        mag = D.logit_magnitude(c.q, c.cache, True, used, abs(scale))
+        check(out, lse, ref, c.reference()[1], mag)
+
+
 def test_sparse_torch_matches_numpy_and_threads():
     rng = np.random.default_rng(2)
     c = SparseCase(rng, 3, 3, 43, 700, 256, 61, sink=True)

@@ -173,18 +173,29 @@ class Fp8ToBf16 {
 #endif
   }
 
-  // dst[i] = bf16 bits of src[i * stride] for i < n (the vector path at stride 1).
-  void row(const uint8_t* src, int64_t stride, int64_t n, uint16_t* dst) const {
+  // dst[i] = bf16 bits of src[i * stride] · 2^exponent for i < n (the vector path at
+  // stride 1). The scaling adds to the exponent field of every finite nonzero value, exact
+  // where the results stay normal: |exponent| <= kMaxExponent for either fp8 format.
+  static constexpr int kMaxExponent = 100;
+  void row(const uint8_t* src, int64_t stride, int64_t n, uint16_t* dst, int exponent = 0) const {
     int64_t i = 0;
+    const uint16_t shift = static_cast<uint16_t>(exponent * 128);  // the exponent field's unit, mod 2^16
 #if defined(ATTNKIT_ISA_avx512)
     const __m512i sign_bit = _mm512_set1_epi16(static_cast<short>(0x8000)), bit6 = _mm512_set1_epi16(0x40);
+    const __m512i low7 = _mm512_set1_epi16(0x7F), finite_max = _mm512_set1_epi16(kMaxFiniteMagnitude);
+    const __m512i vshift = _mm512_set1_epi16(static_cast<short>(shift));
     for (; stride == 1 && i + 32 <= n; i += 32) {
       const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
       // permutex2var reads the index's low 6 bits: magnitudes 0-63 from the first pair of
       // registers, 64-127 from the second.
       const __m512i low = _mm512_permutex2var_epi16(table_[0], x, table_[1]);
       const __m512i high = _mm512_permutex2var_epi16(table_[2], x, table_[3]);
-      const __m512i magnitude = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(x, bit6), low, high);
+      __m512i magnitude = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(x, bit6), low, high);
+      if (exponent) {  // magnitudes 1 .. kMaxFiniteMagnitude: m - 1 below it, unsigned
+        const __mmask32 scaled = _mm512_cmplt_epu16_mask(_mm512_sub_epi16(_mm512_and_si512(x, low7), _mm512_set1_epi16(1)),
+                                                         finite_max);
+        magnitude = _mm512_mask_add_epi16(magnitude, scaled, magnitude, vshift);
+      }
       // magnitude | ((x << 8) & 0x8000): the sign from bit 7
       const __m512i bf16 = _mm512_ternarylogic_epi32(magnitude, _mm512_slli_epi16(x, 8), sign_bit, 0xF8);
       _mm512_storeu_si512(dst + i, bf16);
@@ -194,7 +205,9 @@ class Fp8ToBf16 {
     // broke strict aliasing: garbage where the object was a temporary).
     for (; i < n; ++i) {
       const uint8_t x = src[i * stride];
-      dst[i] = static_cast<uint16_t>(bits_[x & 0x7F] | (x & 0x80) << 8);
+      const int m = x & 0x7F;
+      const uint16_t magnitude = bits_[m] + (m >= 1 && m <= kMaxFiniteMagnitude ? shift : 0);
+      dst[i] = static_cast<uint16_t>(magnitude | (x & 0x80) << 8);
     }
   }
 
@@ -202,6 +215,8 @@ class Fp8ToBf16 {
   struct alignas(64) Table {
     uint16_t bits[128];  // bf16 bits of the fp8 magnitudes 0..127
   };
+  // The largest finite magnitude's code: e4m3fn's 0x7F is NaN, e5m2's 0x7C and up inf / NaN.
+  static constexpr int kMaxFiniteMagnitude = T == DType::float8_e4m3fn ? 0x7E : 0x7B;
   const uint16_t* bits_;  // Table::bits
 #if defined(ATTNKIT_ISA_avx512)
   __m512i table_[4];
