@@ -22,7 +22,6 @@ namespace {
 class PagedRows {
  public:
   using Slot = int64_t;
-  static constexpr bool kBf16PV = true;  // FlashMLA's bf16 MMAs: P rounded to bf16 for P·V
   explicit PagedRows(const MlaDecodeParams& p) : p_(p), capacity(p.max_rows) {}
 
   const void* q_row(int64_t s) const {

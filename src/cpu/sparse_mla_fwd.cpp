@@ -1,5 +1,6 @@
 // Sparse MLA prefill on the CPU: the shared tile loop (sparse_mla_tile.h) over flat kv rows
-// [s_kv, d_qk] of q's dtype, each query row's slots taken from its indices. Compiled per ISA.
+// [s_kv, d_qk] of q's dtype, each query row's slots taken from its indices. As in FlashMLA's
+// prefill, P·V runs in bf16 where vdpbf16ps exists (P rounded to bf16). Compiled per ISA.
 #include <cstdint>
 #include <cstring>
 
@@ -11,14 +12,12 @@
 namespace attnkit::cpu::ATTNKIT_ISA {
 namespace {
 
-using sparse_tile::bf16_bits;
 using sparse_tile::kBf16Dot;
 
 template <DType T>
 struct FlatRows {
   using E = typename Elem<T>::type;
   using Slot = int32_t;
-  static constexpr bool kBf16PV = false;  // the prefill keeps P in fp32
   const SparseMlaParams& p;
   int64_t capacity = p.topk;
 
@@ -46,15 +45,19 @@ struct FlatRows {
     return sparse_tile::touch_lines(src, int64_t{sizeof(E)} * ((p.d_qk - 1) * p.kv_stride[1] + 1));
   }
 
-  void load(int32_t slot, float* dst, uint16_t* pairs) const {
+  // fp32 rows (dst) without kBf16Dot, else bf16 rows only (bf16 copied, fp8 converted exactly).
+  void load(int32_t slot, float* dst, uint16_t* bf16) const {
     const E* src = static_cast<const E*>(p.kv) + int64_t{slot} * p.kv_stride[0];
-    load_row<T>(src, p.kv_stride[1], p.d_qk, 1.0f, dst);
-    if constexpr (kBf16Dot) {
-      if (T == DType::bfloat16 && p.kv_stride[1] == 1) {
-        std::memcpy(pairs, src, sizeof(uint16_t) * p.d_qk);
+    if constexpr (!kBf16Dot) {
+      load_row<T>(src, p.kv_stride[1], p.d_qk, 1.0f, dst);
+    } else if constexpr (T == DType::bfloat16) {
+      if (p.kv_stride[1] == 1) {
+        std::memcpy(bf16, src, sizeof(uint16_t) * p.d_qk);
       } else {
-        for (int64_t d = 0; d < p.d_qk; ++d) pairs[d] = static_cast<uint16_t>(bf16_bits(dst[d]));
+        for (int64_t d = 0; d < p.d_qk; ++d) bf16[d] = src[d * p.kv_stride[1]];
       }
+    } else {
+      Fp8ToBf16<T>().row(src, p.kv_stride[1], p.d_qk, bf16);
     }
   }
 };

@@ -9,14 +9,13 @@
 // A row source Rows provides: Slot (how a listed row is named), capacity (the most rows
 // list() writes), list(s, slots) -> the valid rows of query row s in order, q_row(s) -> the
 // base of q row s (heads by q_stride[1], columns by q_stride[2]), and load(slot, dst, bf16):
-// the row's d_qk values dequantised into dst and, when bf16 is not null, the same values as
-// bf16 (they must be exact in bf16 there); with Rows::kBf16PV, dst is null on the bf16-dot
-// path (P·V then reads V from the bf16 rows too).
+// the row's d_qk values dequantised, into dst (fp32) where dst is not null and as bf16 where
+// bf16 is not null (they must be exact in bf16 there), and touch(slot): one byte of every
+// cache line of the row (see load_ahead).
 //
-// Rows::kBf16PV (decode, FlashMLA's numerics): on avx512bf16, P·V also runs on vdpbf16ps, with
-// P rounded to bf16 and the tile's V rows paired along keys; l stays the sum of the unrounded
-// P. The prefill keeps P in fp32. Rows also provides touch(slot): one byte of every cache line
-// of the row (see load_ahead).
+// On avx512bf16 both products run on vdpbf16ps from the bf16 rows alone (dst is null), with
+// FlashMLA's numerics: P rounded to bf16 and the tile's V rows paired along keys; l stays the
+// sum of the unrounded P.
 //
 // Split-KV: with few query rows (decode at small batches) each row's listed rows are cut into
 // fixed ranges of Plan::split_slots, run as separate tasks into partial (O, m, l), then merged
@@ -81,9 +80,9 @@ struct Plan {
     workspace_floats = p.d_qk * rows_pad       // Qᵀ, scaled
                        + rows_pad * dv_pad     // output accumulators
                        + kSlotTile * rows_pad  // Sᵀ, then Pᵀ
-                       + kSlotTile * d_pad     // gathered, dequantised kv rows
+                       + kSlotTile * d_pad     // gathered, dequantised kv rows (scratch on kBf16Dot)
                        + (kBf16Dot ? kSlotTile * d_pairs : 0)  // the same rows as bf16 pairs
-                       + (kBf16Dot ? kSlotTile / 2 * dv_pad : 0)  // V paired along keys (kBf16PV)
+                       + (kBf16Dot ? kSlotTile / 2 * dv_pad : 0)  // V paired along keys
                        + 3 * rows_pad;         // running max, sum, rescale factors
   }
 };
@@ -115,7 +114,6 @@ template <DType TQ, class Rows>
 class SparseMlaTask {
   using E = typename Elem<TQ>::type;
   using Slot = typename Rows::Slot;
-  static constexpr bool kBf16PV = kBf16Dot && Rows::kBf16PV;
 
  public:
   SparseMlaTask(const SparseMlaParams& p, const Plan& plan, const Rows& rows, const Partials& parts)
@@ -142,9 +140,9 @@ class SparseMlaTask {
     const int64_t begin = std::min(split * plan_.split_slots, n_valid);
     const int64_t end = std::min(begin + plan_.split_slots, n_valid);
     pack_qt(s, h0, nh, qt, kv);  // the kv tile is free until the first gather
-    // P·V on bf16 pairs with a positive logit scale: the tile's softmax is dense attention's
-    // fused bf16-pairs form (softmax.h).
-    const bool fused_pairs = kBf16PV && p_.logit_scale > 0.0f && p_.logit_scale < INFINITY;
+    // The tile's softmax in dense attention's fused bf16-pairs pass (softmax.h) where the scale
+    // is positive and max_logits is not asked for (its lazy max lags the true one).
+    const bool fused_pairs = kBf16Dot && !p_.max_logits && p_.logit_scale > 0.0f && p_.logit_scale < INFINITY;
     std::memset(o, 0, sizeof(float) * nh * plan_.dv_pad);
     for (int64_t r = 0; r < ld; ++r) m[r] = -INFINITY, l[r] = 0.0f;
     for (int64_t t0 = begin; t0 < end; t0 += kSlotTile) {
@@ -167,24 +165,21 @@ class SparseMlaTask {
       for (int64_t r = 0; r < nh; ++r) {
         if (alpha[r] != 1.0f) scale_row(o + r * plan_.dv_pad, plan_.dv_pad, alpha[r]);
       }
-#if defined(ATTNKIT_ISA_avx512bf16)
-      if constexpr (kBf16PV) {  // O += P · V on bf16 pairs of keys
-        uint32_t* p_pairs = reinterpret_cast<uint32_t*>(st);
-        uint32_t* v_pairs = kv_pairs + kSlotTile * plan_.d_pairs;
-        if (!fused_pairs) pair_rows_bf16(st, bc, ld, p_pairs);
-        const uint16_t* v = reinterpret_cast<const uint16_t*>(kv_pairs);
-        const int64_t row = 2 * plan_.d_pairs;
-        for (int64_t k = 0; k < (bc + 1) / 2; ++k) {
-          interleave_bf16_rows(v + 2 * k * row, 2 * k + 1 < bc ? v + (2 * k + 1) * row : nullptr, 1, p_.d_v,
-                               plan_.dv_pad, v_pairs + k * plan_.dv_pad);
-        }
-        gemm_bf16<kTallRows, kTallVecs>(nh, plan_.dv_pad, (bc + 1) / 2, p_pairs, 1, ld, v_pairs, plan_.dv_pad, o,
-                                        plan_.dv_pad, true);
-        continue;
+#if defined(ATTNKIT_ISA_avx512bf16)  // O += P · V on bf16 pairs of keys
+      uint32_t* p_pairs = reinterpret_cast<uint32_t*>(st);
+      uint32_t* v_pairs = kv_pairs + kSlotTile * plan_.d_pairs;
+      if (!fused_pairs) pair_rows_bf16(st, bc, ld, p_pairs);
+      const uint16_t* v = reinterpret_cast<const uint16_t*>(kv_pairs);
+      const int64_t row = 2 * plan_.d_pairs;
+      for (int64_t k = 0; k < (bc + 1) / 2; ++k) {
+        interleave_bf16_rows(v + 2 * k * row, 2 * k + 1 < bc ? v + (2 * k + 1) * row : nullptr, 1, p_.d_v,
+                             plan_.dv_pad, v_pairs + k * plan_.dv_pad);
       }
+      gemm_bf16<kTallRows, kTallVecs>(nh, plan_.dv_pad, (bc + 1) / 2, p_pairs, 1, ld, v_pairs, plan_.dv_pad, o,
+                                      plan_.dv_pad, true);
+#else  // O += P · V
+      gemm<kTallRows, kTallVecs>(nh, plan_.dv_pad, bc, st, 1, ld, kv, plan_.d_pad, o, plan_.dv_pad, true);
 #endif
-      gemm<kTallRows, kTallVecs>(nh, plan_.dv_pad, bc, st, 1, ld, kv, plan_.d_pad, o, plan_.dv_pad,
-                                 true);  // O += P · V
     }
     if (plan_.splits == 1) return write_out(s, h0, nh, n_valid, o, m, l);
     std::memcpy(parts_.m + part, m, sizeof(float) * nh);
@@ -267,14 +262,14 @@ class SparseMlaTask {
     asm volatile("" : : "r"(sum));  // keeps the loads
   }
 
-  // The listed rows, dequantised (without kv_scale, applied to logits and output instead),
-  // zero-padded to d_pad columns; on the bf16-dot path also as bf16 pairs
-  // (kv_pairs [n][d_pairs]).
+  // The listed rows, dequantised (without kv_scale, applied to logits and output instead):
+  // on the bf16-dot path as bf16 pairs only (kv_pairs [n][d_pairs]), else as fp32 rows
+  // zero-padded to d_pad columns.
   void gather_rows(const Slot* slots, int64_t n, float* kv, uint32_t* kv_pairs) const {
     for (int64_t j = 0; j < n; ++j) {
       float* dst = kv + j * plan_.d_pad;
       uint16_t* pairs = kBf16Dot ? reinterpret_cast<uint16_t*>(kv_pairs + j * plan_.d_pairs) : nullptr;
-      if constexpr (kBf16PV) {
+      if constexpr (kBf16Dot) {
         rows_.load(slots[j], nullptr, pairs);
       } else {
         rows_.load(slots[j], dst, pairs);

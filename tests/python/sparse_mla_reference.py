@@ -77,7 +77,8 @@ def valid_slots(indices, s_kv, topk_length=None):
 
 def sparse_mla_ref(q, kv, indices, sm_scale, d_v=512, q_scale=None, kv_scale=None,
                    attn_sink=None, topk_length=None):
-    """(out [s_q, h_q, d_v], max_logits [s_q, h_q], lse [s_q, h_q]) in float64."""
+    """(out [s_q, h_q, d_v], max_logits [s_q, h_q], lse [s_q, h_q], pv_abs [s_q, h_q, d_v])
+    in float64; pv_abs = Σ p·|V| / denominator, the scale of P's rounding (out_atol)."""
     qs, ks = scalar(q_scale), scalar(kv_scale)
     qf = f64(q) * qs                                   # [s_q, h_q, d_qk]
     kvf = f64(kv)
@@ -113,8 +114,10 @@ def sparse_mla_ref(q, kv, indices, sm_scale, d_v=512, q_scale=None, kv_scale=Non
             sink = f64(attn_sink).reshape(h_q)
             denom_out = denom + np.exp(sink[None, :] - m0)   # +inf sink -> out 0, -inf -> none
         out = np.matmul(p, g[..., :d_v]) / np.where(live, denom_out, 1.0)[..., None]
+        pv_abs = np.matmul(p, np.abs(g[..., :d_v])) / np.where(live, denom_out, 1.0)[..., None]
     out = np.where(live[..., None], out, 0.0)
-    return out, max_logits, lse
+    pv_abs = np.where(live[..., None], pv_abs, 0.0)
+    return out, max_logits, lse, pv_abs
 
 
 # --- tolerances -----------------------------------------------------------------------------
@@ -128,9 +131,12 @@ def sparse_mla_ref(q, kv, indices, sm_scale, d_v=512, q_scale=None, kv_scale=Non
 #   absolute error: P's relative error (fp32 exp, plus the logit error below) times
 #   sum_t p_t |V| <= max|V| - ~1e-6 * max|V| in practice, but it is not relative to |out|
 #   when the P @ V sum cancels (signed V), so atol = 1e-4 * max|V_dequantised| covers it with
-#   margin (and covers outputs that land in bf16 subnormals).
+#   margin (and covers outputs that land in bf16 subnormals). On avx512bf16 P is rounded to
+#   bf16 before P @ V (as FlashMLA's kernels do): each p gains a relative error <= 2^-9, so out
+#   gains <= 2^-9 * sum_t p_t |V_t| / denominator (pv_abs); PV_ROUNDING = 2^-8 doubles it.
 OUT_RTOL = 1e-2
 OUT_ATOL_PER_V = 1e-4
+PV_ROUNDING = 2.0 ** -8
 # max_logits / lse (float32): a logit is a float32 sum of d_qk exact products (bf16*bf16 and
 #   fp8*fp8 products are exact in float32); its rounding error is a few float32 eps (6e-8)
 #   times the sum of |products|, sqrt(d_qk)-ish in practice, so 1e-5 * (the largest
@@ -142,10 +148,18 @@ LOGIT_ATOL = 1e-5
 
 
 def out_tol(kv, d_v, kv_scale=None):
-    """(atol, rtol) for out."""
+    """(atol, rtol) for out where P is not rounded (fp32 P·V, or one valid row: p = 1)."""
     v = f64(kv)[:, 0, :d_v] * scalar(kv_scale)
     vmax = float(np.nanmax(np.abs(v))) if v.size and not np.isnan(v).all() else 1.0
     return OUT_ATOL_PER_V * max(vmax, 1e-30), OUT_RTOL
+
+
+def out_atol(kv, d_v, kv_scale, pv_abs):
+    """Elementwise atol for out: out_tol's, plus P's bf16 rounding where the ISA in use rounds
+    it (avx512bf16 and avx512amx run P·V on vdpbf16ps)."""
+    import attnkit
+    atol = out_tol(kv, d_v, kv_scale)[0]
+    return atol + (PV_ROUNDING * pv_abs if attnkit.get_isa() in ("avx512bf16", "avx512amx") else 0.0)
 
 
 def logit_magnitude(q, kv, indices, sm_scale, q_scale=None, kv_scale=None, topk_length=None):

@@ -2,7 +2,8 @@
 strict contract), DeepSeek-V3.2 sparse MLA prefill, against the float64 reference in
 sparse_mla_reference.py; plus pad_heads / unpad_heads and the torch.library registration.
 
-Tolerances (derived in sparse_mla_reference.py): out (bf16) rtol 1e-2 + atol 1e-4 * max|V|;
+Tolerances (derived in sparse_mla_reference.py): out (bf16) rtol 1e-2 + atol 1e-4 * max|V|
+(+ 2^-8 * Σp|V|/Σp on avx512bf16, where P is rounded to bf16 before P·V, as in FlashMLA);
 max_logits / lse (float32) 1e-5 relative + 1e-5 * (logit magnitude + 1) absolute.
 """
 
@@ -106,7 +107,8 @@ class Case:
         assert tuple(lse.shape) == (s_q, h_q)
         assert R.to_np(out).dtype == R.bf16_dtype(), out.dtype
         assert R.to_np(ml).dtype == np.float32 and R.to_np(lse).dtype == np.float32
-        assert_close(R.to_np(out), ref[0], *R.out_tol(a["kv"], self.d_v, a["kv_scale"]), "out")
+        _close_elementwise(R.to_np(out), ref[0], R.out_atol(a["kv"], self.d_v, a["kv_scale"], ref[3]), R.OUT_RTOL,
+                           "out")
         mag = R.logit_magnitude(a["q"], a["kv"], a["indices"], self.sm_scale, a["q_scale"],
                                 a["kv_scale"], a["topk_length"])
         atol = R.logit_tol(mag)
@@ -268,7 +270,7 @@ def test_duplicates_count_per_slot(rng):
     idx = np.array([[[3, 3, 3, 7]], [[5, 5, 5, 5]]], dtype=np.int32)
     out, ml, lse = general()(q, kv, idx, 0.125, d)
     ref = R.sparse_mla_ref(q, kv, idx, 0.125, d)
-    assert_close(out, ref[0], *R.out_tol(kv, d))
+    _close_elementwise(out, ref[0], R.out_atol(kv, d, None, ref[3]), R.OUT_RTOL, "out")
     # row 1: all slots the same row: softmax is uniform, out = V[5], lse = logit + log 4
     assert_close(out[1], np.broadcast_to(R.f64(kv)[5, 0], (4, d)), *R.out_tol(kv, d))
     logit = R.f64(q)[1] @ R.f64(kv)[5, 0] * 0.125
