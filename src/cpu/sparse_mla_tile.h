@@ -141,8 +141,8 @@ class SparseMlaTask {
     const int64_t end = std::min(begin + plan_.split_slots, n_valid);
     pack_qt(s, h0, nh, qt, kv);  // the kv tile is free until the first gather
     // The tile's softmax in dense attention's fused bf16-pairs pass (softmax.h) where the scale
-    // is positive and max_logits is not asked for (its lazy max lags the true one).
-    const bool fused_pairs = kBf16Dot && !p_.max_logits && p_.logit_scale > 0.0f && p_.logit_scale < INFINITY;
+    // is positive; its lazy max where max_logits is not asked for (it lags the true max).
+    const bool fused_pairs = kBf16Dot && p_.logit_scale > 0.0f && p_.logit_scale < INFINITY;
     std::memset(o, 0, sizeof(float) * nh * plan_.dv_pad);
     for (int64_t r = 0; r < ld; ++r) m[r] = -INFINITY, l[r] = 0.0f;
     for (int64_t t0 = begin; t0 < end; t0 += kSlotTile) {
@@ -152,8 +152,8 @@ class SparseMlaTask {
 #if defined(ATTNKIT_ISA_avx512bf16)  // Sᵀ = KV · Qᵀ on exact bf16 pairs, then the logit scale
       gemm_bf16<kWideRows, kTallVecs>(bc, ld, plan_.d_pairs, kv_pairs, plan_.d_pairs, 1,
                                       reinterpret_cast<const uint32_t*>(qt), ld, st, ld, false);
-      if (fused_pairs) {  // the scale, the softmax (lazy max) and P's bf16 pairs in one pass
-        online_softmax_tile_bf16_pairs(st, bc, ld, ld, p_.logit_scale, m, l, alpha);
+      if (fused_pairs) {  // the scale, the softmax and P's bf16 pairs in one pass
+        online_softmax_tile_bf16_pairs(st, bc, ld, ld, p_.logit_scale, m, l, alpha, p_.max_logits != nullptr);
       } else {
         const vfloat scale = vbroadcast(p_.logit_scale);
         for (int64_t i = 0; i < bc * ld; i += kLanes) vstore(st + i, vload(st + i) * scale);

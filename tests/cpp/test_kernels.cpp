@@ -468,7 +468,7 @@ ISA_TEST(OnlineSoftmax, TwoTilesEqualOneSoftmax) {
 }
 
 // The bf16-pairs form of the tile update against the separate passes it replaces (Sᵀ *=
-// scale, the lazy-max online_softmax_tile_of, pair_rows_bf16): the same max, each P rounded
+// scale, online_softmax_tile_of with the same lazy or exact max, pair_rows_bf16): the same max, each P rounded
 // to bf16 and paired in place identically (up to the last bit: the scale is folded into
 // the exponent's FMA), the sums within rounding; for 1..5 vectors of rows (the groups of 4
 // and their tails), an odd key count, masked keys, a row that sees nothing, and a running
@@ -479,36 +479,42 @@ ISA_TEST(OnlineSoftmax, Bf16PairsMatchSeparatePasses) {
   std::normal_distribution<float> dist(0.0f, 20.0f);
   const float scale = 0.0883883f;
   int kept = 0, moved = 0;  // rows of running max 1.5 whose max the lazy slack kept / moved
-  for (int64_t vecs : {1, 3, 4, 5}) {
-    for (int64_t keys : {1, 6, 13}) {
-      const int64_t rows = vecs * kLanes, ld = rows;
-      std::vector<float> s(keys * ld);
-      for (auto& x : s) x = dist(gen);
-      s[(keys - 1) * ld + 1] = -INFINITY;                        // a masked key of row 1
-      for (int64_t j = 0; j < keys; ++j) s[j * ld + 2] = -INFINITY;  // row 2 sees nothing
-      s[(keys / 2) * ld + 3] = 10.0f / scale;  // row 3's max moves past the slack
-      std::vector<float> a = s, b = s, ma(rows), la(rows, 2.0f), aa(rows), lb = la, ab(rows);
-      for (int64_t r = 0; r < rows; ++r) ma[r] = r % 2 ? 1.5f : -20.0f;
-      std::vector<float> mb = ma;
-      for (auto& x : a) x *= scale;
-      online_softmax_tile_of<false, true>(a.data(), keys, ld, rows, 1.0f, ma.data(), la.data(), aa.data());
-      pair_rows_bf16(a.data(), keys, ld, reinterpret_cast<uint32_t*>(a.data()));
-      online_softmax_tile_bf16_pairs(b.data(), keys, ld, rows, scale, mb.data(), lb.data(), ab.data());
-      for (int64_t r = 0; r < rows; ++r) {
-        (mb[r] == 1.5f ? kept : moved) += r % 2;
-        ASSERT_EQ(mb[r], ma[r]) << vecs << " " << keys << " row " << r;
-        ASSERT_EQ(ab[r], aa[r]) << vecs << " " << keys << " row " << r;
-        ASSERT_NEAR(lb[r], la[r], 2e-6f * la[r]) << vecs << " " << keys << " row " << r;
-        for (int64_t i = 0; i < (keys + 1) / 2; ++i) {
-          uint32_t pa, pb;
-          std::memcpy(&pa, &a[i * ld + r], 4);
-          std::memcpy(&pb, &b[i * ld + r], 4);
-          for (int half : {0, 16}) {  // each bf16 at most one unit in the last place apart
-            const int32_t da = (pa >> half) & 0xFFFF, db = (pb >> half) & 0xFFFF;
-            ASSERT_LE(std::abs(da - db), 1) << vecs << " " << keys << " row " << r << " pair " << i;
-          }
-          if (r == 2) {
-            ASSERT_EQ(pb, 0u);
+  for (bool exact_max : {false, true}) {
+    for (int64_t vecs : {1, 3, 4, 5}) {
+      for (int64_t keys : {1, 6, 13}) {
+        const int64_t rows = vecs * kLanes, ld = rows;
+        std::vector<float> s(keys * ld);
+        for (auto& x : s) x = dist(gen);
+        s[(keys - 1) * ld + 1] = -INFINITY;                        // a masked key of row 1
+        for (int64_t j = 0; j < keys; ++j) s[j * ld + 2] = -INFINITY;  // row 2 sees nothing
+        s[(keys / 2) * ld + 3] = 10.0f / scale;  // row 3's max moves past the slack
+        std::vector<float> a = s, b = s, ma(rows), la(rows, 2.0f), aa(rows), lb = la, ab(rows);
+        for (int64_t r = 0; r < rows; ++r) ma[r] = r % 2 ? 1.5f : -20.0f;
+        std::vector<float> mb = ma;
+        for (auto& x : a) x *= scale;
+        if (exact_max) {
+          online_softmax_tile(a.data(), keys, ld, rows, ma.data(), la.data(), aa.data());
+        } else {
+          online_softmax_tile_of<false, true>(a.data(), keys, ld, rows, 1.0f, ma.data(), la.data(), aa.data());
+        }
+        pair_rows_bf16(a.data(), keys, ld, reinterpret_cast<uint32_t*>(a.data()));
+        online_softmax_tile_bf16_pairs(b.data(), keys, ld, rows, scale, mb.data(), lb.data(), ab.data(), exact_max);
+        for (int64_t r = 0; r < rows; ++r) {
+          if (!exact_max) (mb[r] == 1.5f ? kept : moved) += r % 2;
+          ASSERT_EQ(mb[r], ma[r]) << vecs << " " << keys << " row " << r;
+          ASSERT_EQ(ab[r], aa[r]) << vecs << " " << keys << " row " << r;
+          ASSERT_NEAR(lb[r], la[r], 2e-6f * la[r]) << vecs << " " << keys << " row " << r;
+          for (int64_t i = 0; i < (keys + 1) / 2; ++i) {
+            uint32_t pa, pb;
+            std::memcpy(&pa, &a[i * ld + r], 4);
+            std::memcpy(&pb, &b[i * ld + r], 4);
+            for (int half : {0, 16}) {  // each bf16 at most one unit in the last place apart
+              const int32_t da = (pa >> half) & 0xFFFF, db = (pb >> half) & 0xFFFF;
+              ASSERT_LE(std::abs(da - db), 1) << vecs << " " << keys << " row " << r << " pair " << i;
+            }
+            if (r == 2) {
+              ASSERT_EQ(pb, 0u);
+            }
           }
         }
       }

@@ -114,9 +114,11 @@ inline void online_softmax_tile(float* st, int64_t n_keys, int64_t ld, int64_t n
 }
 // The kBf16Pairs form: st holds unscaled scores, scale > 0 and finite; P as bf16 pairs of keys,
 // with the lazy max (the output's rescale is skipped for almost every tile: 4-5% of the bf16
-// tile loop's time on Zen 5).
+// tile loop's time on Zen 5) unless the caller needs m to be the true running max
+// (exact_max: sparse MLA's max_logits).
 inline void online_softmax_tile_bf16_pairs(float* st, int64_t n_keys, int64_t ld, int64_t n_rows, float scale,
-                                           float* m, float* l, float* alpha) {
+                                           float* m, float* l, float* alpha, bool exact_max = false) {
+  if (exact_max) return online_softmax_tile_of<true>(st, n_keys, ld, n_rows, scale, m, l, alpha);
   online_softmax_tile_of<true, true>(st, n_keys, ld, n_rows, scale, m, l, alpha);
 }
 
