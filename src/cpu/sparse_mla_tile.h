@@ -150,7 +150,8 @@ class SparseMlaTask {
       gather_rows(slots + t0, bc, kv, kv_pairs);
       load_ahead(slots + t0 + bc, std::min(kSlotTile, end - t0 - bc));
 #if defined(ATTNKIT_ISA_avx512bf16)  // Sᵀ = KV · Qᵀ on exact bf16 pairs, then the logit scale
-      gemm_bf16<kWideRows, kTallVecs>(bc, ld, plan_.d_pairs, kv_pairs, plan_.d_pairs, 1,
+      // (6 × 4 tiles, 24 accumulators: 4 × 4 measured 2-7% slower on Zen 5)
+      gemm_bf16<kTallRows, kTallVecs>(bc, ld, plan_.d_pairs, kv_pairs, plan_.d_pairs, 1,
                                       reinterpret_cast<const uint32_t*>(qt), ld, st, ld, false);
       if (fused_pairs) {  // the scale, the softmax and P's bf16 pairs in one pass
         online_softmax_tile_bf16_pairs(st, bc, ld, ld, p_.logit_scale, m, l, alpha, p_.max_logits != nullptr);
