@@ -26,8 +26,9 @@ _SEMANTICS = """
     with m = max_logits[s,h] and the sink term only when attn_sink is given (+inf gives
     out = 0, -inf has no effect). A row with no valid slot gives out = 0, max_logits = -inf,
     lse = +inf, sink or not. topk_length and a -1 tail give bit-identical results.
-    Softmax and both products accumulate in float32 and P stays float32 (SGLang's SM90
-    kernel rounds P to fp8 before P·V; attnkit does not), out is rounded to bf16 once.
+    Softmax and both products accumulate in float32; where the CPU has vdpbf16ps P is
+    rounded to bf16 before P·V, as FlashMLA's kernels do (SGLang's SM90 q8kv8 kernel rounds
+    it to fp8; elsewhere it stays float32); out is rounded to bf16 once.
     NaN in q or in a valid kv row propagates to that row. Results are bit-identical run to
     run and for any thread count. Inputs: numpy arrays (ml_dtypes) or CPU torch tensors,
     never modified; torch tensors go through torch.ops.attnkit.*, outputs as mutated args.
