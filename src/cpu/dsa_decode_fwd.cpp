@@ -55,12 +55,7 @@ class PagedRows {
     if (p_.v32_fp8) return load_v32(static_cast<const uint8_t*>(p_.cache) + slot, dst, bf16);
     const uint16_t* src = static_cast<const uint16_t*>(p_.cache) + slot;
     if (dst) load_row<DType::bfloat16>(src, p_.dim_stride, p_.tile.d_qk, 1.0f, dst);
-    if (!bf16) return;
-    if (p_.dim_stride == 1) {
-      std::memcpy(bf16, src, sizeof(uint16_t) * p_.tile.d_qk);
-    } else {
-      for (int64_t d = 0; d < p_.tile.d_qk; ++d) bf16[d] = src[d * p_.dim_stride];
-    }
+    if (bf16) sparse_tile::copy_bf16_row(src, p_.dim_stride, p_.tile.d_qk, bf16);
   }
 
   uint32_t touch(int64_t slot) const {

@@ -2,7 +2,6 @@
 // [s_kv, d_qk] of q's dtype, each query row's slots taken from its indices. As in FlashMLA's
 // prefill, P·V runs in bf16 where vdpbf16ps exists (P rounded to bf16). Compiled per ISA.
 #include <cstdint>
-#include <cstring>
 
 #include "attnkit/dtype.h"
 #include "cpu/kernels.h"
@@ -20,6 +19,7 @@ struct FlatRows {
   using Slot = int32_t;
   const SparseMlaParams& p;
   int64_t capacity = p.topk;
+  const Fp8ToBf16<DType::float8_e4m3fn> to_bf16{};  // built once per call (the fp8 rows')
 
   const void* q_row(int64_t s) const { return static_cast<const E*>(p.q) + s * p.q_stride[0]; }
 
@@ -51,13 +51,9 @@ struct FlatRows {
     if constexpr (!kBf16Dot) {
       load_row<T>(src, p.kv_stride[1], p.d_qk, 1.0f, dst);
     } else if constexpr (T == DType::bfloat16) {
-      if (p.kv_stride[1] == 1) {
-        std::memcpy(bf16, src, sizeof(uint16_t) * p.d_qk);
-      } else {
-        for (int64_t d = 0; d < p.d_qk; ++d) bf16[d] = src[d * p.kv_stride[1]];
-      }
+      sparse_tile::copy_bf16_row(src, p.kv_stride[1], p.d_qk, bf16);
     } else {
-      Fp8ToBf16<T>().row(src, p.kv_stride[1], p.d_qk, bf16);
+      to_bf16.row(src, p.kv_stride[1], p.d_qk, bf16);
     }
   }
 };

@@ -95,6 +95,15 @@ inline uint32_t touch_lines(const void* p, int64_t bytes) {
   return sum + b[bytes - 1];
 }
 
+// dst[d] = src[d * stride] for d < n: a row source's bf16 row (stride 1: one copy).
+inline void copy_bf16_row(const uint16_t* src, int64_t stride, int64_t n, uint16_t* dst) {
+  if (stride == 1) {
+    std::memcpy(dst, src, sizeof(uint16_t) * n);
+  } else {
+    for (int64_t d = 0; d < n; ++d) dst[d] = src[d * stride];
+  }
+}
+
 // The top half of a float that is exactly a bf16 value (bf16 and fp8 inputs are).
 inline uint32_t bf16_bits(float x) {
   uint32_t u;

@@ -34,8 +34,9 @@ inline constexpr float kLog2e = 1.4426950408889634f;
 // the output's rescale is skipped for almost every tile after a row's first
 // (FlashAttention-4's conditional rescaling, with its threshold). The cost in bf16: a row's
 // largest P is no longer exactly 1, so it rounds like the others (measured on causal bf16
-// rows with peaked scores: rms error +10%, max error up to +45%, within bf16's tolerance). m stays the reference the
-// sums and outputs are relative to, so lse, sinks and split merges are unchanged.
+// rows with peaked scores: rms error +10%, max error up to +45%, within bf16's tolerance).
+// m stays the reference the sums and outputs are relative to, so lse, sinks and split
+// merges are unchanged.
 inline constexpr float kLazyMaxSlack = 5.545177444479562f;  // ln 256
 template <int G, bool kBf16Pairs, bool kLazyMax = false>
 inline void online_softmax_rows_of(float* st, int64_t n_keys, int64_t ld, float scale, float* m, float* l,
