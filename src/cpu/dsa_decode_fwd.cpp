@@ -59,9 +59,9 @@ class PagedRows {
   }
 
   uint32_t touch(int64_t slot) const {
-    if (p_.v32_fp8) return sparse_tile::touch_lines(static_cast<const uint8_t*>(p_.cache) + slot, kV32TokenBytes);
+    if (p_.v32_fp8) return touch_lines(static_cast<const uint8_t*>(p_.cache) + slot, kV32TokenBytes);
     const int64_t elems = (p_.tile.d_qk - 1) * p_.dim_stride + 1;
-    return sparse_tile::touch_lines(static_cast<const uint16_t*>(p_.cache) + slot, 2 * elems);
+    return touch_lines(static_cast<const uint16_t*>(p_.cache) + slot, 2 * elems);
   }
 
   const MlaDecodeParams& p_;

@@ -42,7 +42,7 @@ struct FlatRows {
 
   uint32_t touch(int32_t slot) const {
     const E* src = static_cast<const E*>(p.kv) + int64_t{slot} * p.kv_stride[0];
-    return sparse_tile::touch_lines(src, int64_t{sizeof(E)} * ((p.d_qk - 1) * p.kv_stride[1] + 1));
+    return touch_lines(src, int64_t{sizeof(E)} * ((p.d_qk - 1) * p.kv_stride[1] + 1));
   }
 
   // fp32 rows (dst) without kBf16Dot, else bf16 rows only (bf16 copied, fp8 converted exactly).

@@ -87,14 +87,6 @@ struct Plan {
   }
 };
 
-// One byte of every cache line of [p, p + bytes), summed (a load per line, see load_ahead).
-inline uint32_t touch_lines(const void* p, int64_t bytes) {
-  const uint8_t* b = static_cast<const uint8_t*>(p);
-  uint32_t sum = 0;
-  for (int64_t i = 0; i < bytes; i += 64) sum += b[i];
-  return sum + b[bytes - 1];
-}
-
 // dst[d] = src[d * stride] for d < n: a row source's bf16 row (stride 1: one copy).
 inline void copy_bf16_row(const uint16_t* src, int64_t stride, int64_t n, uint16_t* dst) {
   if (stride == 1) {

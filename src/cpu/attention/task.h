@@ -157,7 +157,7 @@ class AttentionTask {
   KvRows<EK> kv_rows(const void* data, const int64_t* stride, const RowBlock& rb) const {
     const EK* base = static_cast<const EK*>(data) + rb.kvh * stride[1];
     if (p_.block_table) {
-      return {base, stride[2], p_.block_table + rb.b * p_.block_table_stride, p_.block_size, stride[0]};
+      return KvRows<EK>::paged(base, stride[2], p_.block_table + rb.b * p_.block_table_stride, p_.block_size, stride[0]);
     }
     const int64_t first = p_.kv_begin ? p_.kv_begin[rb.b] : 0;
     return {base + rb.b * stride[0] + first * stride[2], stride[2]};
@@ -219,6 +219,8 @@ class AttentionTask {
   void attend_key_block(const RowBlock& rb, const KvRows<EK>& krows, const KvRows<EK>& vrows, int64_t j0,
                         int64_t end, bool prefetch, const Workspace& w) const;
   static void prefetch_rows(const KvRows<EK>& rows, int64_t first, int64_t end, int64_t cols);
+  static void touch_key_block(const KvRows<EK>& krows, const KvRows<EK>& vrows, int64_t k_span, int64_t v_span,
+                              int64_t j0, int64_t end);
   void qk_key_block(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t n, float* s, int64_t lds,
                     const Workspace& w) const;
   void pack_q_rows(const RowBlock& rb, const Workspace& w) const;

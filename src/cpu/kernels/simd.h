@@ -222,6 +222,16 @@ inline void prefetch_bytes(const void* p, int64_t offset, int64_t n, Cache level
   }
 }
 
+// One byte of every cache line of [p, p + bytes), summed: demand loads, which bring lines
+// from memory where software prefetches (dropped, or not followed by the hardware
+// prefetchers) did not (see the sparse MLA tile's load_ahead and decode's attend_kv_heads).
+inline uint32_t touch_lines(const void* p, int64_t bytes) {
+  const uint8_t* b = static_cast<const uint8_t*>(p);
+  uint32_t sum = 0;
+  for (int64_t i = 0; i < bytes; i += 64) sum += b[i];
+  return sum + b[bytes - 1];
+}
+
 // 2^x for x <= 0 (softmax exponents after max subtraction), relative error ~1 ulp;
 // exactly 1 at 0. x below -126 gives exactly 0 (so masked -inf scores vanish); NaN stays NaN.
 inline vfloat vexp2(vfloat x) {
