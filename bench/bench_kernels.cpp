@@ -19,9 +19,7 @@
 // Decode: one block of kLanes keys for 4 query rows (scores row-major, keys along the lanes);
 // registered where the op takes that path for 4 rows (2·rows <= kLanes: not on generic).
 //   decode/dot_key_block/fp32       S = Q · Kᵀ    4 rows × kLanes keys × 128, K in place
-//   decode/dot_key_block/bf16       the same on bf16 pairs (k_pairs=64), Q grouped; avx512bf16
-//   decode/dot_key_block/bf16_row_vectors  the same with Q as whole rows of 4 vectors (the op's
-//                                   path for 3-8 rows at D = 32..128); avx512bf16
+//   decode/dot_key_block/bf16       the same on bf16 pairs (k_pairs=64); avx512bf16
 //   decode/online_softmax_rows      4 rows × kLanes keys
 //   decode/gemm_pv/fp32/<row>       O += P · V    m=4 n=128 k=kLanes, P row-major (lda=kLanes,
 //                                   a_step=1), accumulating
@@ -317,22 +315,6 @@ void bm_dot_key_block_bf16(benchmark::State& state, double peak_gflops) {
 }
 #endif
 
-#if defined(ATTNKIT_ISA_avx512bf16)
-void bm_dot_key_block_bf16_row_vectors(benchmark::State& state, double peak_gflops) {
-  const Buffer<uint16_t> k = random_bf16(kDecodeBlocks * kDecodeKeys * kD, 24), q = random_bf16(kDecodeRows * kD, 25);
-  Buffer<float> s = random_buffer(kDecodeRows * kDecodeKeys, 26);
-  const int nv = row_vectors_for(kDecodePairGroup, kPairs);
-  int64_t block = 0;
-  time_flops(state, 2.0 * kDecodeRows * kDecodeKeys * kD, peak_gflops, [&] {
-    dot_key_block_bf16_row_vectors(nv, kDecodeRows, as_pairs(k) + block * kDecodeKeys * kPairs, kPairs, as_pairs(q),
-                                   s.get(), kDecodeKeys);
-    block = (block + 1) & (kDecodeBlocks - 1);
-    benchmark::DoNotOptimize(s.get());
-    benchmark::ClobberMemory();
-  });
-}
-#endif
-
 void bm_softmax_rows(benchmark::State& state) {
   Buffer<float> s = random_buffer(kDecodeRows * kDecodeKeys, 27, 4.0f);
   SoftmaxState sm(kDecodeRows);
@@ -403,8 +385,6 @@ void register_benchmarks(double peak_gflops) {
     add("decode/dot_key_block/fp32/rows4_keys" + lanes + "_d128", bm_dot_key_block, peak_gflops);
 #if defined(ATTNKIT_ISA_avx512bf16)
     add("decode/dot_key_block/bf16/rows4_keys" + lanes + "_kpairs64", bm_dot_key_block_bf16, peak_gflops);
-    add("decode/dot_key_block/bf16_row_vectors/rows4_keys" + lanes + "_kpairs64", bm_dot_key_block_bf16_row_vectors,
-        peak_gflops);
 #endif
     add("decode/online_softmax_rows/rows4_keys" + lanes, bm_softmax_rows);
     add("decode/gemm_pv/fp32/" + row + "/m4_n128_k" + lanes, bm_decode_pv<float>, peak_gflops);

@@ -1132,56 +1132,6 @@ ISA_TEST(Dot, KeyBlockBf16MatchesFloat64Reference) {
   }
 }
 
-#if defined(ATTNKIT_ISA_avx512bf16)
-// dot_key_block_row_vectors (Q as whole rows of 1-4 vectors of pairs, 4 rows per vector):
-// rows 1-8 (padding rows zero, as the op packs them), K rows NaN past their pairs (never
-// read), NaN-poisoned s inside [rows][kLanes], a sentinel outside.
-ISA_TEST(Dot, KeyBlockBf16RowVectorsMatchesFloat64Reference) {
-  SKIP_UNLESS_RUNNABLE();
-  std::mt19937 gen(37);
-  std::normal_distribution<float> dist;
-  auto pair = [&] { return float_to_bfloat16(dist(gen)) | uint32_t{float_to_bfloat16(dist(gen))} << 16; };
-  auto widen = [](uint32_t x, int half) { return double(bfloat16_to_float(uint16_t(x >> (16 * half)))); };
-  for (int nv = 1; nv <= 4; ++nv) {
-    ASSERT_EQ(row_vectors_for(4, nv * kLanes), nv);
-    for (int64_t rows = 1; rows <= kMaxDotRows; ++rows) {
-      const int64_t pairs = nv * kLanes, ldk = pairs + 5, lds = kLanes + 3, rows_pad = (rows + 3) / 4 * 4;
-      std::vector<uint32_t> keys(kLanes * ldk, 0xFFFFFFFFu), q(rows_pad * pairs, 0u);
-      std::vector<float> s((rows + 1) * lds, 12345.0f);
-      for (int64_t j = 0; j < kLanes; ++j) {
-        for (int64_t p = 0; p < pairs; ++p) keys[j * ldk + p] = pair();
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t p = 0; p < pairs; ++p) q[r * pairs + p] = pair();
-        for (int64_t j = 0; j < kLanes; ++j) s[r * lds + j] = NAN;
-      }
-      dot_key_block_bf16_row_vectors(nv, rows, keys.data(), ldk, q.data(), s.data(), lds);
-      for (int64_t r = 0; r < rows + 1; ++r) {
-        for (int64_t j = 0; j < lds; ++j) {
-          const std::string at = "nv=" + std::to_string(nv) + " rows=" + std::to_string(rows) + " at (" +
-                                 std::to_string(r) + ", " + std::to_string(j) + ")";
-          if (r == rows || j >= kLanes) {
-            ASSERT_EQ(s[r * lds + j], 12345.0f) << at;
-            continue;
-          }
-          double ref = 0.0, mag = 0.0;
-          for (int64_t p = 0; p < pairs; ++p) {
-            for (int half = 0; half < 2; ++half) {
-              const double t = widen(keys[j * ldk + p], half) * widen(q[r * pairs + p], half);
-              ref += t, mag += std::fabs(t);
-            }
-          }
-          ASSERT_NEAR(s[r * lds + j], ref, 1e-6 * mag) << at;
-        }
-      }
-    }
-  }
-  EXPECT_EQ(row_vectors_for(2, 64), 0);
-  EXPECT_EQ(row_vectors_for(4, 72), 0);
-  EXPECT_EQ(row_vectors_for(4, 80), 0);
-}
-#endif
-
 // vpdpbusd tiles: u8 quads of A times s8 quads of B, exact int32 sums.
 ISA_TEST(GemmU8S8, MatchesIntegerReference) {
   SKIP_UNLESS_RUNNABLE();

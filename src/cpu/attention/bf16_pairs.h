@@ -200,19 +200,10 @@ void AttentionTask<T, TK>::pv_pairs(const RowBlock& rb, const uint32_t* pp, cons
   }
 }
 
-// Decode: Q rows as bf16 pairs, unscaled, into w.qt: as whole rows for
-// dot_key_block_row_vectors (padding rows zero), else grouped for dot_key_block_bf16 (via w.k).
+// Decode: Q rows as bf16 pairs, unscaled, grouped for dot_key_block_bf16 into w.qt (via w.k).
 template <DType T, DType TK>
 void AttentionTask<T, TK>::pack_q_row_pairs(const RowBlock& rb, const Workspace& w) const {
   const int64_t pairs = (p_.D + 1) / 2;
-  if (rb.mode->q_row_vectors) {
-    uint32_t* rows = reinterpret_cast<uint32_t*>(w.qt);
-    std::memset(rows, 0, sizeof(uint32_t) * round_up(rb.rows, rb.mode->rows_per_vec) * pairs);
-    for (int64_t r = 0; r < rb.rows; ++r) {
-      pack_pairs(reinterpret_cast<const uint16_t*>(q_row(rb, r)), p_.q_stride[3], rows + r * pairs);
-    }
-    return;
-  }
   uint32_t* rows = reinterpret_cast<uint32_t*>(w.k);  // free until the first key block
   for (int64_t r = 0; r < rb.rows; ++r) {
     pack_pairs(reinterpret_cast<const uint16_t*>(q_row(rb, r)), p_.q_stride[3],
@@ -237,13 +228,8 @@ void AttentionTask<T, TK>::qk_rows_bf16(const RowBlock& rb, const KvRows<EK>& kr
     std::memset(kp + n * ld, 0, sizeof(uint32_t) * (kLanes - n) * ld);
     keys = kp, ldk = ld;
   }
-  if (rb.mode->q_row_vectors) {
-    dot_key_block_bf16_row_vectors(rb.mode->q_row_vectors, rb.rows, keys, ldk, reinterpret_cast<const uint32_t*>(w.qt),
-                                   s, lds);
-  } else {
-    dot_key_block_bf16(rb.mode->rows_per_vec, rb.rows, rb.mode->chunks, keys, ldk,
-                       reinterpret_cast<const uint32_t*>(w.qt), s, lds);
-  }
+  dot_key_block_bf16(rb.mode->rows_per_vec, rb.rows, rb.mode->chunks, keys, ldk,
+                     reinterpret_cast<const uint32_t*>(w.qt), s, lds);
   const vfloat scale = vbroadcast(rb.scale);
   for (int64_t r = 0; r < rb.rows; ++r) vstore(s + r * lds, vload(s + r * lds) * scale);
 }

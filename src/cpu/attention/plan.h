@@ -100,8 +100,6 @@ struct Mode {
   int rows_per_vec;     // key blocks: query rows side by side in one vector (dot.h)
   int64_t chunks;       // key blocks: a Q/K row in chunks of kLanes / rows_per_vec elements (bf16: pairs)
   int64_t chunked_row;  // key blocks: chunks × that, the length of a packed K row
-  int q_row_vectors;    // key blocks on bf16 pairs: Q as whole rows of this many vectors
-                        // (dot_key_block_row_vectors), or 0: Q grouped (group_rows)
   bool pv_bf16;         // P·V on bf16 pairs: sage int8, and the bf16 tile loop, on avx512bf16
   bool k_in_place;      // K rows used where they are, without packing
   bool v_split_bf16;    // P·V on bf16 V rows (in place; an fp8 cache's converted per key block, in
@@ -170,7 +168,7 @@ struct Plan {
       return stride[1] > 0 && stride[3] == 1 && (p.Hkv - 1) * stride[1] + cols <= stride[2];
     };
     group_kv_heads = p.Hkv > 1 && heads_inside_key(p.k_stride, p.D) && heads_inside_key(p.v_stride, p.Dv);
-    int64_t qt_floats = 0;  // Q grouped for dot_key_block (dot.h's group_rows), or as whole rows
+    int64_t qt_floats = 0;  // Q grouped for dot_key_block (dot.h's group_rows)
     for (int64_t r = 1; r <= kLanes / 2; ++r) {
       if (few[r].key_blocks)
         qt_floats = std::max(qt_floats, (r + few[r].rows_per_vec - 1) / few[r].rows_per_vec * few[r].chunks * kLanes);
@@ -281,7 +279,6 @@ struct Plan {
     const int64_t segment = kLanes / m.rows_per_vec;
     m.chunks = (elems + segment - 1) / segment;
     m.chunked_row = m.chunks * segment;
-    m.q_row_vectors = m.qk_pairs ? row_vectors_for(m.rows_per_vec, elems) : 0;
     // K rows read where they are: fp32 rows of unit stride; for vdpbf16ps, bf16 rows that
     // are whole pairs (every row starts on a pair: even strides; the key block reads whole
     // chunks, so D must fill them there).

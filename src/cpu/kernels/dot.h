@@ -127,17 +127,6 @@ inline void dot_key_block(int g, int64_t rows, int64_t chunks, const float* keys
   dot_key_block_rows<Fp32Dot>(g, rows, chunks, keys, ldk, qg, s, lds);
 }
 
-// Whole-row vectors of Q per row for dot_key_block_row_vectors on bf16 pairs (0: that kernel
-// does not apply): 4 rows per vector, rows of 1 to 4 whole vectors of pairs (D = 32 .. 128).
-inline int row_vectors_for(int g, int64_t pairs) {
-#if defined(ATTNKIT_ISA_avx512bf16)
-  return g == 4 && pairs % kLanes == 0 && pairs / kLanes <= 4 ? static_cast<int>(pairs / kLanes) : 0;
-#else
-  (void)g, (void)pairs;
-  return 0;
-#endif
-}
-
 #if defined(ATTNKIT_ISA_avx512bf16)
 // bf16 pairs (element 2p low, 2p + 1 high): products exact, summed in fp32; gemm_dot.h's
 // instruction on this kernel's vector types.
@@ -152,73 +141,6 @@ inline void dot_key_block_bf16(int g, int64_t rows, int64_t chunks, const uint32
                                const uint32_t* qg, float* s, int64_t lds) {
   dot_key_block_rows<Bf16PairDot>(g, rows, chunks, reinterpret_cast<const float*>(keys), ldk,
                                   reinterpret_cast<const float*>(qg), s, lds);
-}
-
-// Segment r of the result: the sum of a[r]'s four segments (a[r]'s 16 lanes summed to 4), in
-// two rounds of 128-bit shuffles and an add.
-inline vfloat sum_segments_of_rows(const vfloat (&a)[4]) {
-  const vfloat t0 = __builtin_shufflevector(a[0], a[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                    __builtin_shufflevector(a[0], a[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  const vfloat t1 = __builtin_shufflevector(a[2], a[3], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                    __builtin_shufflevector(a[2], a[3], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  return __builtin_shufflevector(t0, t1, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-         __builtin_shufflevector(t0, t1, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-}
-
-// dot_key_block_bf16 for 4 rows per vector with Q as whole rows: q[r * NV * kLanes + p] holds
-// pair p of row r (NV vectors of pairs per row, zero past the row; rows padded to a multiple
-// of 4 with zeros). Each key's row is loaded as NV whole vectors, each used by the 4 rows,
-// and the 4 rows' partial-sum vectors fold into the grouped kernel's layout (segment r: 4
-// partials of row r, sum_segments_of_rows), which the same transposes finish. Where the
-// grouped kernel broadcasts every 128 bits of K (16 broadcasts per key at D = 128), this
-// shuffles 6 times per key. Zen 5, D = 128: 55 -> 44 ns per block in the kernel bench (K in L1
-// or L2); in the op 5-7% faster where K is contiguous or packed (dense decode, fp8 caches),
-// no faster on bf16 K read in place from a paged cache.
-template <int NV>
-inline void dot_key_block_row_vectors(int64_t rows, const uint32_t* keys, int64_t ldk, const uint32_t* q, float* s,
-                                      int64_t lds) {
-  constexpr int G = 4, S = kLanes / G;
-  const float* kf = reinterpret_cast<const float*>(keys);
-  for (int64_t r0 = 0; r0 < rows; r0 += G, q += G * NV * kLanes) {
-    vfloat qv[G][NV];
-#pragma GCC unroll 16
-    for (int r = 0; r < G; ++r) {
-#pragma GCC unroll 4
-      for (int c = 0; c < NV; ++c) qv[r][c] = vload(reinterpret_cast<const float*>(q) + (r * NV + c) * kLanes);
-    }
-    vfloat out[G];
-    const float* key = kf;  // one pointer stepped key by key (indexing each key's row kept 64
-                            // addresses live, spilled to the stack)
-#pragma GCC unroll 4
-    for (int n = 0; n < G; ++n) {  // S keys at a time, each row read in address order
-      vfloat acc[S];
-#pragma GCC unroll 4
-      for (int t = 0; t < S; ++t, key += ldk) {
-        vfloat a[G] = {};
-#pragma GCC unroll 4
-        for (int c = 0; c < NV; ++c) {
-          const vfloat kc = vload(key + c * kLanes);
-#pragma GCC unroll 4
-          for (int r = 0; r < G; ++r) a[r] = Bf16PairDot::madd(a[r], qv[r][c], kc);
-        }
-        acc[t] = sum_segments_of_rows(a);
-      }
-      transpose_sum_rounds<S, S, S>(acc);  // segment r: row r0 + r, keys n * S + [0, S)
-      out[n] = acc[0];
-    }
-    transpose_segments<G>(out);  // out[r]: row r0 + r, all keys
-    for (int r = 0; r < G && r0 + r < rows; ++r) vstore(s + (r0 + r) * lds, out[r]);
-  }
-}
-
-inline void dot_key_block_bf16_row_vectors(int nv, int64_t rows, const uint32_t* keys, int64_t ldk, const uint32_t* q,
-                                           float* s, int64_t lds) {
-  switch (nv) {
-    case 1: return dot_key_block_row_vectors<1>(rows, keys, ldk, q, s, lds);
-    case 2: return dot_key_block_row_vectors<2>(rows, keys, ldk, q, s, lds);
-    case 3: return dot_key_block_row_vectors<3>(rows, keys, ldk, q, s, lds);
-    default: return dot_key_block_row_vectors<4>(rows, keys, ldk, q, s, lds);
-  }
 }
 #endif
 
