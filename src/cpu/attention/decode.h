@@ -68,11 +68,12 @@ void AttentionTask<T, TK>::attend_rows(const RowBlock& rb, int64_t begin, int64_
 // keeps its state in w.head(i). The heads' visits to a block are not in address order,
 // which the hardware prefetchers do not follow, so before them the next block's K and V
 // rows of all the task's heads are read in address order, one load per cache line. On Zen 5
-// (16 sequences of 2048-4096 keys, 8 kv heads, block size 16 and 128, bf16 and fp8 caches)
-// that took 18-34% less time than prefetching the block two ahead a share at each head's
-// turn (the scheme before, which measured best on Zen 4); the same share-wise with loads, or
-// prefetches of the whole block at once, measured no faster than no prefetch at all. A pure
-// read of those blocks in the heads' order ran at 19 GB/s, in address order at 28 (one thread).
+// (16 sequences of 2048-4096 keys, 8 kv heads) that took 10-30% less time than prefetching
+// the block two ahead a share at each head's turn (the scheme before, which measured best on
+// Zen 4) for bf16 caches of block size 16 and 128, 5-20% for fp8 at 16, the same for fp8 at
+// 128; the same share-wise with loads, or prefetches of the whole block at once, measured no
+// faster than no prefetch at all. A pure read of those blocks in the heads' order ran at
+// 19 GB/s, in address order at 28 (one thread).
 template <DType T, DType TK>
 void AttentionTask<T, TK>::attend_kv_heads(const RowBlock* rbs, int64_t kv_heads, int64_t begin, int64_t end,
                                            const Workspace& w) const {
