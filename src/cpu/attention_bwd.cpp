@@ -20,13 +20,11 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <new>
 #include <utility>
 #include <vector>
 
-#include <sys/mman.h>
-
 #include "core/philox.h"
+#include "core/scratch.h"
 #include "core/thread_pool.h"
 #include "cpu/kernel_table.h"
 #include "cpu/kernels.h"
@@ -87,14 +85,6 @@ void gemm_pairs(int64_t m, int64_t n, int64_t pairs, const uint32_t* a, int64_t 
   (void)m, (void)n, (void)pairs, (void)a, (void)lda, (void)a_step, (void)b, (void)ldb, (void)c, (void)ldc,
       (void)accumulate;
 #endif
-}
-
-// n fp32 values rounded to bf16 (NaN stays NaN) as 16-bit values: a row of pairs along it.
-inline void round_row_bf16(const float* src, int64_t n, uint16_t* dst) {
-  for (int64_t i = 0; i < n; i += kLanes) {
-    const vhalf h = __builtin_convertvector(round_to_bf16_bits(vload(src + i), kBf16QuietNan), vhalf);
-    std::memcpy(dst + i, &h, sizeof h);
-  }
 }
 
 // How the keys split into tasks, the per-thread workspace and the per-head prepared data.
@@ -209,25 +199,6 @@ struct PreparedHead {
     q_pairs = reinterpret_cast<const uint32_t*>(q), dout_pairs = reinterpret_cast<const uint32_t*>(dout);
     q_rows = reinterpret_cast<uint32_t*>(rest), dout_rows = q_rows + plan.row_pairs * plan.d_pad;
   }
-};
-
-// A large scratch buffer on transparent huge pages where the kernel offers them: fresh 4 KiB
-// pages fault one by one on first touch, which on a VM cost as much as the prepare pass.
-struct LargeBuffer {
-  static constexpr int64_t kHuge = int64_t{1} << 21;
-  float* data = nullptr;
-  explicit LargeBuffer(int64_t floats) {
-    if (floats <= 0) return;
-    const int64_t bytes = round_up(floats * int64_t{sizeof(float)}, kHuge);
-    data = static_cast<float*>(std::aligned_alloc(kHuge, bytes));
-    if (!data) throw std::bad_alloc();
-#if defined(MADV_HUGEPAGE)
-    madvise(data, bytes, MADV_HUGEPAGE);  // advice only: failure leaves 4 KiB pages
-#endif
-  }
-  ~LargeBuffer() { std::free(data); }
-  LargeBuffer(const LargeBuffer&) = delete;
-  LargeBuffer& operator=(const LargeBuffer&) = delete;
 };
 
 template <DType T>
@@ -418,11 +389,12 @@ class Backward {
     }
   }
 
-  // E = exp(S - lse) for the block's rows, S = Q·Kᵀ·scale with the modifiers and masks:
-  // 0 where masked, past the block, or in rows that saw no key (lse = -inf; their output
-  // was 0). With the soft-cap, w.t keeps tanh(s / cap) for its derivative.
+  // E = exp(S - lse) for the block's rows and its first nk keys (a multiple of kLanes), S =
+  // Q·Kᵀ·scale with the modifiers and masks: 0 where masked, past the block, or in rows that
+  // saw no key (lse = -inf; their output was 0). With the soft-cap, w.t keeps tanh(s / cap)
+  // for its derivative.
   void scores(int64_t b, int64_t h, const PreparedHead& ph, int64_t i0, int64_t nr, int64_t j0, int64_t bc,
-              const BackwardWorkspace& w) const {
+              int64_t nk, const BackwardWorkspace& w) const {
     const float softcap = p_.softcap;
     const float slope = p_.alibi_slopes ? p_.alibi_slopes[b * p_.alibi_stride[0] + h * p_.alibi_stride[1]] : 0.0f;
     const vfloat scale = vbroadcast(p_.scale), cap = vbroadcast(softcap), inv_cap = vbroadcast(1.0f / softcap);
@@ -433,8 +405,8 @@ class Backward {
       const int64_t i = i0 + r, a = i + p_.causal_offset;  // the aligned query position
       const float lse = ph.lse[i];
       if (lse == -INFINITY) {
-        std::memset(s, 0, sizeof(float) * kKeyBlock);
-        if (softcap != 0.0f) std::memset(w.t + r * kKeyBlock, 0, sizeof(float) * kKeyBlock);
+        std::memset(s, 0, sizeof(float) * nk);
+        if (softcap != 0.0f) std::memset(w.t + r * kKeyBlock, 0, sizeof(float) * nk);
         continue;
       }
       // Keys j0 + [lo, hi) pass the causal limit and the window.
@@ -444,7 +416,7 @@ class Backward {
       if (p_.window_left >= 0) lo = std::max(lo, a - p_.window_left - j0);
       hi = std::max<int64_t>(hi, 0), lo = std::min(lo, hi);
       const vfloat vlse = vbroadcast(lse), dist0 = vbroadcast(static_cast<float>(a - j0)) - lane;
-      for (int64_t jj = 0; jj < kKeyBlock; jj += kLanes) {
+      for (int64_t jj = 0; jj < nk; jj += kLanes) {
         vfloat x = vload(s + jj) * scale;
         if (softcap != 0.0f) {
           x = vsoftcap(x, cap, inv_cap);
@@ -460,8 +432,8 @@ class Backward {
         for (int64_t jj = lo; jj < hi; ++jj) s[jj] += load_mask(p_.mask_dtype, p_.mask, off + (j0 + jj) * p_.mask_stride[3]);
       }
       for (int64_t jj = 0; jj < lo; ++jj) s[jj] = -INFINITY;
-      for (int64_t jj = hi; jj < kKeyBlock; ++jj) s[jj] = -INFINITY;
-      for (int64_t jj = 0; jj < kKeyBlock; jj += kLanes) vstore(s + jj, vexp2((vload(s + jj) - vlse) * kLog2e));
+      for (int64_t jj = hi; jj < nk; ++jj) s[jj] = -INFINITY;
+      for (int64_t jj = 0; jj < nk; jj += kLanes) vstore(s + jj, vexp2((vload(s + jj) - vlse) * kLog2e));
     }
   }
 
@@ -469,69 +441,93 @@ class Backward {
   void block(int64_t b, int64_t h, const PreparedHead& ph, int64_t i0, int64_t nr, int64_t j0, int64_t bc,
              float* dq_part, const BackwardWorkspace& w) const {
     const int64_t dp = plan_.d_pad, dvp = plan_.dv_pad, nr_pairs = (nr + 1) / 2;
+    // Keys past the last one any of these rows sees (the causal limit, the right window) have
+    // P = dS = 0: the products stop at the first nk keys (nk_pad for S and dP, whole vectors).
+    int64_t nk = bc;
+    const int64_t a_last = i0 + nr - 1 + p_.causal_offset;  // the last row's aligned position
+    if (p_.causal) nk = std::min(nk, a_last - j0 + 1);
+    if (p_.window_right >= 0) nk = std::min(nk, a_last + p_.window_right - j0 + 1);
+    if (nk <= 0) return;
+    const int64_t nk_pad = round_up(nk, kLanes);
     // S = Q·Kᵀ and dP = dO·Vᵀ
     if (plan_.pairs) {
-      gemm_pairs<kWideRows, kWideVecs>(nr, kKeyBlock, plan_.d_pairs, ph.q_pairs + i0 * ph.q_ld,
+      gemm_pairs<kWideRows, kWideVecs>(nr, nk_pad, plan_.d_pairs, ph.q_pairs + i0 * ph.q_ld,
                                        ph.q_ld, 1, w.kt_pairs, kKeyBlock, w.e, kKeyBlock, false);
-      gemm_pairs<kWideRows, kWideVecs>(nr, kKeyBlock, plan_.dv_pairs, ph.dout_pairs + i0 * ph.dout_ld,
+      gemm_pairs<kWideRows, kWideVecs>(nr, nk_pad, plan_.dv_pairs, ph.dout_pairs + i0 * ph.dout_ld,
                                        ph.dout_ld, 1, w.vt_pairs, kKeyBlock, w.ds, kKeyBlock, false);
     } else {
-      gemm<kWideRows, kWideVecs>(nr, kKeyBlock, p_.D, ph.q + i0 * ph.q_ld, ph.q_ld, 1, w.kt, kKeyBlock, w.e, kKeyBlock,
+      gemm<kWideRows, kWideVecs>(nr, nk_pad, p_.D, ph.q + i0 * ph.q_ld, ph.q_ld, 1, w.kt, kKeyBlock, w.e, kKeyBlock,
                                  false);
-      gemm<kWideRows, kWideVecs>(nr, kKeyBlock, p_.Dv, ph.dout + i0 * ph.dout_ld, ph.dout_ld, 1, w.vt, kKeyBlock, w.ds,
+      gemm<kWideRows, kWideVecs>(nr, nk_pad, p_.Dv, ph.dout + i0 * ph.dout_ld, ph.dout_ld, 1, w.vt, kKeyBlock, w.ds,
                                  kKeyBlock, false);
     }
-    scores(b, h, ph, i0, nr, j0, bc, w);
+    scores(b, h, ph, i0, nr, j0, bc, nk_pad, w);
 
     // P = f·E, dS = E∘(f·dP - c) (dropout: P and dP times keep/(1-p)), times the
-    // soft-cap's derivative 1 - tanh².
+    // soft-cap's derivative 1 - tanh², by pairs of rows. With bf16 pairs they go straight to
+    // the three products' operands: P and dS in query-row pairs (dV, dK), dS in bf16 rows
+    // (dQ, key pairs along them); else dS (and, with sinks, f·P) as fp32 rows.
     const bool dropout = p_.dropout_p > 0.0f;
-    if (dropout) apply_dropout(b, h, i0, nr, j0, w);
+    if (dropout) apply_dropout(b, h, i0, nr, j0, nk_pad, w);
     const bool sinks = p_.sinks != nullptr, softcap = p_.softcap != 0.0f;
     const float* p = (dropout || sinks) ? w.pd : w.e;
     const vfloat one = vbroadcast(1.0f);
-    for (int64_t r = 0; r < nr; ++r) {
-      const vfloat c = vbroadcast(ph.c[i0 + r]), f = vbroadcast(ph.f[i0 + r]);
-      float* ds = w.ds + r * kKeyBlock;
-      const float* e = w.e + r * kKeyBlock;
-      float* pd = w.pd + r * kKeyBlock;
-      for (int64_t jj = 0; jj < kKeyBlock; jj += kLanes) {
-        const vfloat ev = vload(e + jj);
-        vfloat dsv = ev * (f * vload(ds + jj) - c);
-        if (softcap) {
-          const vfloat tv = vload(w.t + r * kKeyBlock + jj);
-          dsv *= one - tv * tv;
+    for (int64_t r = 0; r < nr; r += 2) {
+      const int rows = nr - r > 1 ? 2 : 1;
+      vfloat c[2], f[2];
+      for (int k = 0; k < rows; ++k) c[k] = vbroadcast(ph.c[i0 + r + k]), f[k] = vbroadcast(ph.f[i0 + r + k]);
+      for (int64_t jj = 0; jj < nk_pad; jj += kLanes) {
+        vfloat pv[2] = {}, dsv[2] = {};
+        for (int k = 0; k < rows; ++k) {
+          const int64_t at = (r + k) * kKeyBlock + jj;
+          const vfloat ev = vload(w.e + at);
+          dsv[k] = ev * (f[k] * vload(w.ds + at) - c[k]);
+          if (softcap) {
+            const vfloat tv = vload(w.t + at);
+            dsv[k] *= one - tv * tv;
+          }
+          pv[k] = dropout ? vload(w.pd + at) : ev;
+          if (sinks) pv[k] *= f[k];
+          if (!plan_.pairs) {
+            vstore(w.ds + at, dsv[k]);
+            if (sinks) vstore(w.pd + at, pv[k]);
+          }
         }
-        vstore(ds + jj, dsv);
-        if (sinks) vstore(pd + jj, (dropout ? vload(pd + jj) : ev) * f);
+        if (plan_.pairs) {
+          const vuint ds_lo = round_to_bf16_bits(dsv[0], kBf16QuietNan), ds_hi = round_to_bf16_bits(dsv[1], kBf16QuietNan);
+          const vuint p_pair = round_to_bf16_bits(pv[0], kBf16QuietNan) | round_to_bf16_bits(pv[1], kBf16QuietNan) << 16;
+          const vuint ds_pair = ds_lo | ds_hi << 16;
+          std::memcpy(w.p_rows + r / 2 * kKeyBlock + jj, &p_pair, sizeof p_pair);
+          std::memcpy(w.ds_rows + r / 2 * kKeyBlock + jj, &ds_pair, sizeof ds_pair);
+          const vhalf ds_keys[2] = {__builtin_convertvector(ds_lo, vhalf), __builtin_convertvector(ds_hi, vhalf)};
+          for (int k = 0; k < rows; ++k) std::memcpy(w.ds_keys + (r + k) * kKeyBlock + jj, &ds_keys[k], sizeof ds_keys[k]);
+        }
       }
     }
 
     // dV += Pᵀ·dO, dK += dSᵀ·Q and dQ += dS·K (the last two times scale when stored).
     if (plan_.pairs) {
-      pair_rows_bf16(p, nr, kKeyBlock, w.p_rows);
-      pair_rows_bf16(w.ds, nr, kKeyBlock, w.ds_rows);
-      for (int64_t r = 0; r < nr; ++r) round_row_bf16(w.ds + r * kKeyBlock, kKeyBlock, w.ds_keys + r * kKeyBlock);
-      gemm_pairs<kTallRows, kTallVecs>(bc, dvp, nr_pairs, w.p_rows, 1, kKeyBlock, ph.dout_rows + i0 / 2 * dvp,
+      gemm_pairs<kTallRows, kTallVecs>(nk, dvp, nr_pairs, w.p_rows, 1, kKeyBlock, ph.dout_rows + i0 / 2 * dvp,
                                        dvp, w.dv, dvp, true);
-      gemm_pairs<kTallRows, kTallVecs>(bc, dp, nr_pairs, w.ds_rows, 1, kKeyBlock, ph.q_rows + i0 / 2 * dp, dp,
+      gemm_pairs<kTallRows, kTallVecs>(nk, dp, nr_pairs, w.ds_rows, 1, kKeyBlock, ph.q_rows + i0 / 2 * dp, dp,
                                        w.dk, dp, true);
-      gemm_pairs<kTallRows, kTallVecs>(nr, dp, (bc + 1) / 2, reinterpret_cast<const uint32_t*>(w.ds_keys),
+      gemm_pairs<kTallRows, kTallVecs>(nr, dp, (nk + 1) / 2, reinterpret_cast<const uint32_t*>(w.ds_keys),
                                        kKeyBlock / 2, 1, w.k_rows, dp, dq_part, dp, true);
     } else {
-      gemm<kTallRows, kTallVecs>(bc, dvp, nr, p, 1, kKeyBlock, ph.dout + i0 * ph.dout_ld, ph.dout_ld, w.dv, dvp, true);
-      gemm<kTallRows, kTallVecs>(bc, dp, nr, w.ds, 1, kKeyBlock, ph.q + i0 * ph.q_ld, ph.q_ld, w.dk, dp, true);
-      gemm<kTallRows, kTallVecs>(nr, dp, bc, w.ds, kKeyBlock, 1, w.k, dp, dq_part, dp, true);
+      gemm<kTallRows, kTallVecs>(nk, dvp, nr, p, 1, kKeyBlock, ph.dout + i0 * ph.dout_ld, ph.dout_ld, w.dv, dvp, true);
+      gemm<kTallRows, kTallVecs>(nk, dp, nr, w.ds, 1, kKeyBlock, ph.q + i0 * ph.q_ld, ph.q_ld, w.dk, dp, true);
+      gemm<kTallRows, kTallVecs>(nr, dp, nk, w.ds, kKeyBlock, 1, w.k, dp, dq_part, dp, true);
     }
   }
 
-  // The forward's keep mask (one Philox draw per 4 keys of row (b, h, i)): w.pd = E·keep/(1-p)
-  // and dP·keep/(1-p) in place.
-  void apply_dropout(int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t j0, const BackwardWorkspace& w) const {
+  // The forward's keep mask (one Philox draw per 4 keys of row (b, h, i)) on the first nk
+  // keys: w.pd = E·keep/(1-p) and dP·keep/(1-p) in place.
+  void apply_dropout(int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t j0, int64_t nk,
+                     const BackwardWorkspace& w) const {
     const uint32_t threshold = detail::dropout_threshold(p_.dropout_p);
     const float keep_scale = 1.0f / (1.0f - p_.dropout_p);
     for (int64_t r = 0; r < nr; ++r) {
-      for (int64_t jj = 0; jj < kKeyBlock; jj += 4) {
+      for (int64_t jj = 0; jj < nk; jj += 4) {
         const auto bits = detail::dropout_bits(p_.seed, b, h, i0 + r, j0 + jj);
         for (int64_t k = 0; k < 4; ++k) {
           const int64_t at = r * kKeyBlock + jj + k;
@@ -557,10 +553,12 @@ void run_backward(const AttentionBackwardParams& bp) {
   const int threads = detail::num_threads();
   const BackwardPlan plan(bp, kDotProducts && T == DType::bfloat16);
   AlignedBuffer<float> workspace(plan.workspace_floats * threads);
-  LargeBuffer prepared(plan.prepared_floats * p.B * p.Hq);
-  LargeBuffer dq_partial(plan.dq_offset[plan.splits]);
+  detail::LargeScratch prepared_scratch(plan.prepared_floats * p.B * p.Hq * int64_t{sizeof(float)});
+  detail::LargeScratch dq_scratch(plan.dq_offset[plan.splits] * int64_t{sizeof(float)});
+  float* prepared = static_cast<float*>(prepared_scratch.data());
+  float* dq_partial = static_cast<float*>(dq_scratch.data());
   AlignedBuffer<float> dsink_partial(bp.dsinks ? p.B * p.Hq : 0);
-  const Backward<T> task(bp, plan, prepared.data, dq_partial.data, dsink_partial.data);
+  const Backward<T> task(bp, plan, prepared, dq_partial, dsink_partial.data);
   auto prepare = [&](int64_t bh, int thread) { task.prepare(bh, workspace.data + plan.workspace_floats * thread); };
   detail::parallel_for(p.B * p.Hq, threads, prepare);
   auto key_blocks = [&](int64_t t, int thread) { task.run(t, workspace.data + plan.workspace_floats * thread); };

@@ -1,0 +1,72 @@
+#include "core/scratch.h"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <mutex>
+#include <new>
+#include <utility>
+#include <vector>
+
+namespace attnkit::detail {
+namespace {
+
+constexpr int64_t kHugePage = int64_t{1} << 21;
+
+struct Kept {
+  std::mutex mutex;
+  std::vector<std::pair<void*, int64_t>> blocks;  // (data, bytes), at most kKeptBlocks
+  ~Kept() {
+    for (auto& [data, bytes] : blocks) std::free(data);
+  }
+};
+
+Kept& kept() {
+  static Kept k;
+  return k;
+}
+
+}  // namespace
+
+LargeScratch::LargeScratch(int64_t bytes) {
+  if (bytes <= 0) return;
+  bytes_ = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+  {
+    Kept& k = kept();
+    std::lock_guard<std::mutex> lock(k.mutex);
+    // The smallest kept block that fits.
+    auto best = k.blocks.end();
+    for (auto it = k.blocks.begin(); it != k.blocks.end(); ++it) {
+      if (it->second >= bytes_ && (best == k.blocks.end() || it->second < best->second)) best = it;
+    }
+    if (best != k.blocks.end()) {
+      data_ = best->first, bytes_ = best->second;
+      k.blocks.erase(best);
+      return;
+    }
+  }
+  data_ = std::aligned_alloc(kHugePage, bytes_);
+  if (!data_) throw std::bad_alloc();
+#if defined(MADV_HUGEPAGE)
+  madvise(data_, bytes_, MADV_HUGEPAGE);  // advice only: failure leaves 4 KiB pages
+#endif
+}
+
+LargeScratch::~LargeScratch() {
+  if (!data_) return;
+  if (bytes_ <= kMaxKeptBytes) {
+    Kept& k = kept();
+    std::lock_guard<std::mutex> lock(k.mutex);
+    k.blocks.emplace_back(data_, bytes_);
+    if (static_cast<int>(k.blocks.size()) <= kKeptBlocks) return;
+    // Over the limit: drop the smallest (the larger ones serve more calls).
+    auto smallest = std::min_element(k.blocks.begin(), k.blocks.end(),
+                                     [](const auto& a, const auto& b) { return a.second < b.second; });
+    data_ = smallest->first;
+    k.blocks.erase(smallest);
+  }
+  std::free(data_);
+}
+
+}  // namespace attnkit::detail
