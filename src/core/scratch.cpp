@@ -55,18 +55,25 @@ LargeScratch::LargeScratch(int64_t bytes) {
 
 LargeScratch::~LargeScratch() {
   if (!data_) return;
-  if (bytes_ <= kMaxKeptBytes) {
-    Kept& k = kept();
-    std::lock_guard<std::mutex> lock(k.mutex);
-    k.blocks.emplace_back(data_, bytes_);
-    if (static_cast<int>(k.blocks.size()) <= kKeptBlocks) return;
-    // Over the limit: drop the smallest (the larger ones serve more calls).
-    auto smallest = std::min_element(k.blocks.begin(), k.blocks.end(),
-                                     [](const auto& a, const auto& b) { return a.second < b.second; });
-    data_ = smallest->first;
-    k.blocks.erase(smallest);
+  if (bytes_ > kMaxKeptBytes) {
+    std::free(data_);
+    return;
   }
-  std::free(data_);
+  Kept& k = kept();
+  std::lock_guard<std::mutex> lock(k.mutex);
+  k.blocks.emplace_back(data_, bytes_);
+  // Over a limit: drop the smallest blocks first (the larger ones serve more calls).
+  auto total = [&] {
+    int64_t sum = 0;
+    for (const auto& block : k.blocks) sum += block.second;
+    return sum;
+  };
+  while (static_cast<int>(k.blocks.size()) > kKeptBlocks || total() > kMaxKeptBytes) {
+    auto drop = std::min_element(k.blocks.begin(), k.blocks.end(),
+                                 [](const auto& a, const auto& b) { return a.second < b.second; });
+    std::free(drop->first);
+    k.blocks.erase(drop);
+  }
 }
 
 }  // namespace attnkit::detail

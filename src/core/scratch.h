@@ -1,9 +1,9 @@
 // Large per-call scratch (hundreds of MiB for a long backward) on transparent huge pages,
 // reused across calls. Fresh anonymous memory is zeroed by the kernel page by page on first
 // touch; for the dense backward at shape A (80 MiB of scratch) that clearing took ~5% of the
-// call. Released blocks are kept (at most kKeptBlocks, none above kMaxKeptBytes) and handed
-// to the next call that fits; their contents are stale, never zeros: callers write before
-// they read, as with any allocation.
+// call. Released blocks are kept (at most kKeptBlocks, kMaxKeptBytes in all, the smallest
+// dropped first) and handed to the next request that fits; their contents are stale, never
+// zeros: callers write before they read, as with any allocation.
 #pragma once
 
 #include <cstdint>
