@@ -110,15 +110,17 @@ bool avx512amx_runnable() {
 }
 
 // avx512amx: the bf16 tile loop (dense, varlen and paged prefill), sage's Q·Kᵀ (int8) and
-// P·V and the backward's bf16 products on AMX tiles; every other entry as the best variant without AMX
-// (avx512vnni's on the CPUs of the bf16 rule, which all AMX CPUs so far are, else
-// avx512bf16's).
+// P·V, the backward's bf16 products and the sparse MLA tile loop (prefill and MLA decode) on
+// AMX tiles; every other entry as the best variant without AMX (avx512vnni's on the CPUs of the
+// bf16 rule, which all AMX CPUs so far are, else avx512bf16's).
 const cpu::KernelTable avx512amx_table = [] {
   cpu::KernelTable t = bf16_dot_slower_than_fma(cpu_id()) ? avx512vnni_table : cpu::avx512bf16::kernel_table;
   t.isa = "avx512amx";
   t.attention_fwd = cpu::avx512amx::kernel_table.attention_fwd;
   t.sage_int8_fwd = cpu::avx512amx::kernel_table.sage_int8_fwd;
   t.attention_bwd = cpu::avx512amx::kernel_table.attention_bwd;
+  t.sparse_mla_fwd = cpu::avx512amx::kernel_table.sparse_mla_fwd;
+  t.mla_decode_fwd = cpu::avx512amx::kernel_table.mla_decode_fwd;
   return t;
 }();
 #endif

@@ -15,7 +15,9 @@
 //
 // On avx512bf16 both products run on vdpbf16ps from the bf16 rows alone (dst is null), with
 // FlashMLA's numerics: P rounded to bf16 and the tile's V rows paired along keys; l stays the
-// sum of the unrounded P.
+// sum of the unrounded P. On avx512amx the same two products on the same bf16 pairs run on AMX
+// tiles (tdpbf16ps; vdpbf16ps is half the fp32 FMA rate on those Xeons), over whole tiles:
+// gathered rows, heads and pairs padded to multiples of 16 with zeros.
 //
 // Split-KV: with few query rows (decode at small batches) each row's listed rows are cut into
 // fixed ranges of Plan::split_slots, run as separate tasks into partial (O, m, l), then merged
@@ -32,6 +34,7 @@
 #include "core/thread_pool.h"
 #include "cpu/kernels/convert.h"
 #include "cpu/kernels/gemm.h"
+#include "cpu/kernels/gemm_amx.h"
 #include "cpu/kernels/gemm_dot.h"
 #include "cpu/kernels/softmax.h"
 #include "cpu/kernels/workspace.h"
@@ -39,7 +42,16 @@
 
 namespace attnkit::cpu::ATTNKIT_ISA::sparse_tile {
 
-constexpr int64_t kSlotTile = 64;   // gathered kv rows per tile
+#if defined(ATTNKIT_ISA_avx512amx)
+constexpr bool kAmx = true;
+constexpr int64_t kWholeTile = kAmxTile;  // AMX products take whole tiles: 16 rows, 16 pairs
+#else
+constexpr bool kAmx = false;
+constexpr int64_t kWholeTile = 1;
+#endif
+// Gathered kv rows per tile. AMX: more keys per tile, so that P·V's accumulator tiles (O, from
+// L2) are loaded and stored once per more tile products.
+constexpr int64_t kSlotTile = kAmx ? 256 : 64;
 constexpr int64_t kHeadBlock = 128; // heads per task (all of DeepSeek-V3.2's per rank)
 constexpr int64_t kTasksPerThread = 2;  // fewer (query, split, head block) tasks: smaller head blocks
 // Split-KV aims at this many (query row, split) pairs, each split at least kMinSplitSlots long
@@ -55,7 +67,8 @@ constexpr bool kBf16Dot = false;
 #endif
 
 struct Plan {
-  int64_t splits, split_slots, head_block, head_blocks, tasks, rows_pad, d_pad, dv_pad, d_pairs, workspace_floats;
+  int64_t splits, split_slots, head_block, head_blocks, tasks, rows_pad, d_pad, dv_pad, d_pairs, kv_ld;
+  int64_t workspace_floats;
 
   // capacity: the most rows one query row lists.
   Plan(const SparseMlaParams& p, int threads, int64_t capacity) {
@@ -77,14 +90,24 @@ struct Plan {
     d_pad = round_up(p.d_qk, kLanes);
     dv_pad = round_up(p.d_v, kLanes);  // <= d_pad: V columns are read from the kv tile
     d_pairs = (p.d_qk + 1) / 2;
-    workspace_floats = p.d_qk * rows_pad       // Qᵀ, scaled
-                       + rows_pad * dv_pad     // output accumulators
-                       + kSlotTile * rows_pad  // Sᵀ, then Pᵀ
-                       + kSlotTile * d_pad     // gathered, dequantised kv rows (scratch on kBf16Dot)
-                       + (kBf16Dot ? kSlotTile * d_pairs : 0)  // the same rows as bf16 pairs
-                       + (kBf16Dot ? kSlotTile / 2 * dv_pad : 0)  // V paired along keys
-                       + 3 * rows_pad;         // running max, sum, rescale factors
+    kv_ld = round_up(d_pairs, kWholeTile);
+    workspace_floats = qt_floats(p) + rows_pad * dv_pad + kSlotTile * rows_pad + scratch_floats()
+                       + (kBf16Dot ? kSlotTile * kv_ld + kSlotTile / 2 * dv_pad : 0) + 3 * rows_pad;
   }
+
+  // The workspace of a task, in order: Qᵀ (scaled fp32, or bf16 pairs [kv_ld][rows_pad] on
+  // kBf16Dot), O's accumulators [rows_pad][dv_pad], Sᵀ then Pᵀ [kSlotTile][rows_pad], scratch,
+  // on kBf16Dot the gathered rows as bf16 pairs [kSlotTile][kv_ld] and V paired along keys
+  // [kSlotTile / 2][dv_pad], then the running max, sum and rescale factors [rows_pad] each.
+  int64_t qt_floats(const SparseMlaParams& p) const { return (kBf16Dot ? kv_ld : p.d_qk) * rows_pad; }
+  // The gathered rows dequantised to fp32 [kSlotTile][d_pad]; on kBf16Dot only pack_qt's row
+  // (d_pad) and, on AMX, P's rows for P·V [rows_pad][kSlotTile / 2].
+  int64_t scratch_floats() const {
+    if (!kBf16Dot) return kSlotTile * d_pad;
+    return std::max(d_pad, kAmx ? rows_pad * kSlotTile / 2 : 0);
+  }
+  // Split-KV partials are kept per task, rows_pad rows each (AMX writes whole tiles of O).
+  int64_t partial_rows(const SparseMlaParams& p) const { return splits > 1 ? p.s_q * splits * head_blocks * rows_pad : 0; }
 };
 
 // dst[d] = src[d * stride] for d < n: a row source's bf16 row (stride 1: one copy).
@@ -103,8 +126,8 @@ inline uint32_t bf16_bits(float x) {
   return u >> 16;
 }
 
-// The split-KV partials of every (query row, split): O [h_q][dv_pad] unnormalised, m and l
-// [h_q], and each row's count of listed rows.
+// The split-KV partials of every task (query row, split, head block): O [rows_pad][dv_pad]
+// unnormalised, m and l [rows_pad], and each query row's count of listed rows.
 struct Partials {
   float *o = nullptr, *m = nullptr, *l = nullptr;
   int64_t* n_valid = nullptr;
@@ -127,33 +150,43 @@ class SparseMlaTask {
     const int64_t h0 = task % plan_.head_blocks * plan_.head_block;
     const int64_t nh = p_.h_q - h0 < plan_.head_block ? p_.h_q - h0 : plan_.head_block;
     const int64_t ld = plan_.rows_pad;
-    const int64_t part = (s * plan_.splits + split) * p_.h_q + h0;  // partial row of head h0
     float* qt = workspace;
-    float* o = plan_.splits > 1 ? parts_.o + part * plan_.dv_pad : qt + p_.d_qk * ld;
-    float* st = qt + p_.d_qk * ld + ld * plan_.dv_pad;
-    float* kv = st + kSlotTile * ld;
-    float* m = kv + kSlotTile * plan_.d_pad;
+    float* o = qt + plan_.qt_floats(p_);
+    float* st = o + ld * plan_.dv_pad;
+    float* scratch = st + kSlotTile * ld;
+    uint32_t* kv_pairs = reinterpret_cast<uint32_t*>(scratch + plan_.scratch_floats());
+    uint32_t* v_pairs = kv_pairs + (kBf16Dot ? kSlotTile * plan_.kv_ld : 0);
+    float* m = reinterpret_cast<float*>(v_pairs + (kBf16Dot ? kSlotTile / 2 * plan_.dv_pad : 0));
     float* l = m + ld;
     float* alpha = l + ld;
-    uint32_t* kv_pairs = reinterpret_cast<uint32_t*>(alpha + ld);
+    if (plan_.splits > 1) o = parts_.o + task * ld * plan_.dv_pad;  // tasks are numbered as partials
 
     const int64_t n_valid = rows_.list(s, slots);
     const int64_t begin = std::min(split * plan_.split_slots, n_valid);
     const int64_t end = std::min(begin + plan_.split_slots, n_valid);
-    pack_qt(s, h0, nh, qt, kv);  // the kv tile is free until the first gather
+    pack_qt(s, h0, nh, qt, scratch);
+#if defined(ATTNKIT_ISA_avx512amx)
+    amx_configure();
+#endif
     // The tile's softmax in dense attention's fused bf16-pairs pass (softmax.h) where the scale
     // is positive; its lazy max where max_logits is not asked for (it lags the true max).
     const bool fused_pairs = kBf16Dot && p_.logit_scale > 0.0f && p_.logit_scale < INFINITY;
-    std::memset(o, 0, sizeof(float) * nh * plan_.dv_pad);
+    std::memset(o, 0, sizeof(float) * ld * plan_.dv_pad);
     for (int64_t r = 0; r < ld; ++r) m[r] = -INFINITY, l[r] = 0.0f;
     for (int64_t t0 = begin; t0 < end; t0 += kSlotTile) {
       const int64_t bc = end - t0 < kSlotTile ? end - t0 : kSlotTile;
-      gather_rows(slots + t0, bc, kv, kv_pairs);
+      gather_rows(slots + t0, bc, scratch, kv_pairs);
       load_ahead(slots + t0 + bc, std::min(kSlotTile, end - t0 - bc));
 #if defined(ATTNKIT_ISA_avx512bf16)  // Sᵀ = KV · Qᵀ on exact bf16 pairs, then the logit scale
+#if defined(ATTNKIT_ISA_avx512amx)
+      // whole tiles of rows: those past bc are zero (gather_rows), their scores never read
+      gemm_amx_bf16(round_up(bc, kAmxTile), ld, plan_.kv_ld, kv_pairs, plan_.kv_ld,
+                    reinterpret_cast<const uint32_t*>(qt), ld, st, ld, false);
+#else
       // (6 × 4 tiles, 24 accumulators: 4 × 4 measured 2-7% slower on Zen 5)
-      gemm_bf16<kTallRows, kTallVecs>(bc, ld, plan_.d_pairs, kv_pairs, plan_.d_pairs, 1,
+      gemm_bf16<kTallRows, kTallVecs>(bc, ld, plan_.d_pairs, kv_pairs, plan_.kv_ld, 1,
                                       reinterpret_cast<const uint32_t*>(qt), ld, st, ld, false);
+#endif
       if (fused_pairs) {  // the scale, the softmax and P's bf16 pairs in one pass
         online_softmax_tile_bf16_pairs(st, bc, ld, ld, p_.logit_scale, m, l, alpha, p_.max_logits != nullptr);
       } else {
@@ -161,7 +194,7 @@ class SparseMlaTask {
         for (int64_t i = 0; i < bc * ld; i += kLanes) vstore(st + i, vload(st + i) * scale);
       }
 #else  // Sᵀ = KV · Qᵀ
-      gemm<kWideRows, kTallVecs>(bc, ld, p_.d_qk, kv, plan_.d_pad, 1, qt, ld, st, ld, false);
+      gemm<kWideRows, kTallVecs>(bc, ld, p_.d_qk, scratch, plan_.d_pad, 1, qt, ld, st, ld, false);
 #endif
       if (!fused_pairs) online_softmax_tile(st, bc, ld, ld, m, l, alpha);
       for (int64_t r = 0; r < nh; ++r) {
@@ -169,45 +202,55 @@ class SparseMlaTask {
       }
 #if defined(ATTNKIT_ISA_avx512bf16)  // O += P · V on bf16 pairs of keys
       uint32_t* p_pairs = reinterpret_cast<uint32_t*>(st);
-      uint32_t* v_pairs = kv_pairs + kSlotTile * plan_.d_pairs;
       if (!fused_pairs) pair_rows_bf16(st, bc, ld, p_pairs);
+      const int64_t pairs = (bc + 1) / 2;
       const uint16_t* v = reinterpret_cast<const uint16_t*>(kv_pairs);
-      const int64_t row = 2 * plan_.d_pairs;
-      for (int64_t k = 0; k < (bc + 1) / 2; ++k) {
+      const int64_t row = 2 * plan_.kv_ld;
+      for (int64_t k = 0; k < pairs; ++k) {
         interleave_bf16_rows(v + 2 * k * row, 2 * k + 1 < bc ? v + (2 * k + 1) * row : nullptr, 1, p_.d_v,
                              plan_.dv_pad, v_pairs + k * plan_.dv_pad);
       }
-      gemm_bf16<kTallRows, kTallVecs>(nh, plan_.dv_pad, (bc + 1) / 2, p_pairs, 1, ld, v_pairs, plan_.dv_pad, o,
+#if defined(ATTNKIT_ISA_avx512amx)  // P's rows [ld][kp] from its pairs, both padded with zero pairs
+      const int64_t kp = round_up(pairs, kAmxTile);
+      std::memset(p_pairs + pairs * ld, 0, sizeof(uint32_t) * (kp - pairs) * ld);
+      std::memset(v_pairs + pairs * plan_.dv_pad, 0, sizeof(uint32_t) * (kp - pairs) * plan_.dv_pad);
+      uint32_t* p_rows = reinterpret_cast<uint32_t*>(scratch);
+      transpose_matrix(st, ld, kp, ld, scratch, kp);
+      gemm_amx_bf16(ld, plan_.dv_pad, kp, p_rows, kp, v_pairs, plan_.dv_pad, o, plan_.dv_pad, true);
+#else
+      gemm_bf16<kTallRows, kTallVecs>(nh, plan_.dv_pad, pairs, p_pairs, 1, ld, v_pairs, plan_.dv_pad, o,
                                       plan_.dv_pad, true);
+#endif
 #else  // O += P · V
-      gemm<kTallRows, kTallVecs>(nh, plan_.dv_pad, bc, st, 1, ld, kv, plan_.d_pad, o, plan_.dv_pad, true);
+      gemm<kTallRows, kTallVecs>(nh, plan_.dv_pad, bc, st, 1, ld, scratch, plan_.d_pad, o, plan_.dv_pad, true);
 #endif
     }
     if (plan_.splits == 1) return write_out(s, h0, nh, n_valid, o, m, l);
-    std::memcpy(parts_.m + part, m, sizeof(float) * nh);
-    std::memcpy(parts_.l + part, l, sizeof(float) * nh);
+    std::memcpy(parts_.m + task * ld, m, sizeof(float) * nh);
+    std::memcpy(parts_.l + task * ld, l, sizeof(float) * nh);
     if (split == 0 && h0 == 0) parts_.n_valid[s] = n_valid;
   }
 
   // Task (query row s, head block) after the splits: O = Σ_i O_i·e^(m_i - M), l = Σ_i
   // l_i·e^(m_i - M), M = max_i m_i, in split order; then the outputs as without splits.
   void merge(int64_t task, float* workspace) const {
-    const int64_t s = task / plan_.head_blocks;
-    const int64_t h0 = task % plan_.head_blocks * plan_.head_block;
+    const int64_t s = task / plan_.head_blocks, hb = task % plan_.head_blocks;
+    const int64_t h0 = hb * plan_.head_block;
     const int64_t nh = p_.h_q - h0 < plan_.head_block ? p_.h_q - h0 : plan_.head_block;
+    const int64_t split_rows = plan_.head_blocks * plan_.rows_pad;  // from one split's partial to the next
     float* o = workspace;
     float* m = o + nh * plan_.dv_pad;
     float* l = m + nh;
     for (int64_t r = 0; r < nh; ++r) {
-      const int64_t first = s * plan_.splits * p_.h_q + h0 + r;  // split 0's partial row
+      const int64_t first = (s * plan_.splits * plan_.head_blocks + hb) * plan_.rows_pad + r;  // split 0's row
       float mx = -INFINITY;
-      for (int64_t i = 0; i < plan_.splits; ++i) mx = std::max(mx, parts_.m[first + i * p_.h_q]);
+      for (int64_t i = 0; i < plan_.splits; ++i) mx = std::max(mx, parts_.m[first + i * split_rows]);
       const float m_ref = mx == -INFINITY ? 0.0f : mx;  // as online_softmax_tile: e^-inf = 0
       float* acc = o + r * plan_.dv_pad;
       std::memset(acc, 0, sizeof(float) * plan_.dv_pad);
       float sum = 0.0f;
       for (int64_t i = 0; i < plan_.splits; ++i) {
-        const int64_t at = first + i * p_.h_q;
+        const int64_t at = first + i * split_rows;
         const float f = std::exp(parts_.m[at] - m_ref);  // NaN in a split's m reaches l and O
         sum += parts_.l[at] * f;
         const vfloat vf = vbroadcast(f);
@@ -229,7 +272,7 @@ class SparseMlaTask {
   // address order (a head-by-head scatter of its 147 KB measured 15% of a batch-1 decode).
   void pack_qt(int64_t s, int64_t h0, int64_t nh, float* qt, float* row) const {
     const int64_t ld = plan_.rows_pad;
-    std::memset(qt, 0, sizeof(float) * (kBf16Dot ? plan_.d_pairs : p_.d_qk) * ld);
+    std::memset(qt, 0, sizeof(float) * plan_.qt_floats(p_));
     const E* base = static_cast<const E*>(rows_.q_row(s));
     if (kBf16Dot && TQ == DType::bfloat16 && p_.q_stride[2] == 1 && p_.d_qk % 2 == 0) {
       uint32_t* qtp = reinterpret_cast<uint32_t*>(qt);
@@ -265,19 +308,22 @@ class SparseMlaTask {
   }
 
   // The listed rows, dequantised (without kv_scale, applied to logits and output instead):
-  // on the bf16-dot path as bf16 pairs only (kv_pairs [n][d_pairs]), else as fp32 rows
-  // zero-padded to d_pad columns.
+  // on the bf16-dot path as bf16 pairs only (kv_pairs [n][kv_ld], zero past d_qk; on AMX zero
+  // rows up to a whole tile), else as fp32 rows zero-padded to d_pad columns.
   void gather_rows(const Slot* slots, int64_t n, float* kv, uint32_t* kv_pairs) const {
     for (int64_t j = 0; j < n; ++j) {
-      float* dst = kv + j * plan_.d_pad;
-      uint16_t* pairs = kBf16Dot ? reinterpret_cast<uint16_t*>(kv_pairs + j * plan_.d_pairs) : nullptr;
       if constexpr (kBf16Dot) {
-        rows_.load(slots[j], nullptr, pairs);
+        uint16_t* row = reinterpret_cast<uint16_t*>(kv_pairs + j * plan_.kv_ld);
+        rows_.load(slots[j], nullptr, row);
+        std::fill(row + p_.d_qk, row + 2 * plan_.kv_ld, uint16_t{0});
       } else {
-        rows_.load(slots[j], dst, pairs);
+        float* dst = kv + j * plan_.d_pad;
+        rows_.load(slots[j], dst, nullptr);
         for (int64_t d = p_.d_qk; d < plan_.d_pad; ++d) dst[d] = 0.0f;
       }
-      if (kBf16Dot && p_.d_qk % 2) pairs[p_.d_qk] = 0;
+    }
+    if constexpr (kAmx) {
+      std::memset(kv_pairs + n * plan_.kv_ld, 0, sizeof(uint32_t) * (round_up(n, kWholeTile) - n) * plan_.kv_ld);
     }
   }
 
@@ -321,7 +367,7 @@ void run(const SparseMlaParams& p, const Rows& rows) {
   const Plan plan(p, threads, rows.capacity);
   AlignedBuffer<float> workspace(plan.workspace_floats * threads);
   AlignedBuffer<typename Rows::Slot> slots(rows.capacity * threads);
-  const int64_t part_rows = plan.splits > 1 ? p.s_q * plan.splits * p.h_q : 0;
+  const int64_t part_rows = plan.partial_rows(p);
   AlignedBuffer<float> part_o(part_rows * plan.dv_pad), part_ml(2 * part_rows);
   AlignedBuffer<int64_t> n_valid(plan.splits > 1 ? p.s_q : 0);
   const Partials parts{part_o.data, part_ml.data, part_ml.data + part_rows, n_valid.data};

@@ -55,6 +55,22 @@ def test_paged_fp8_rows_name_the_bf16_path():
     assert re.search(r"\d% of " + expected, row), row
 
 
+@pytest.mark.parametrize("args", [("--op", "sparse_mla", "--shape", "B,s_q=2,h_q=16,topk=256,s_kv=1024", "--dtype", "fp8"),
+                                  ("--op", "dsa", "--shape", "D,b=2,h=16,topk=256,s_k=1000")])
+def test_sparse_mla_rows_name_the_bf16_path(args):
+    """Sparse MLA (prefill) and its decode run both products on the variant's bf16 instruction:
+    AMX tiles on avx512amx, vdpbf16ps on avx512bf16, fp32 FMAs elsewhere."""
+    import re
+
+    import attnkit
+
+    res = run_bench(*args, "--threads", "1", "--repeats", "1", "--budget", "1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    row = next(line for line in res.stdout.splitlines() if re.match(r"\s+1\s+attnkit\s", line))
+    expected = {"avx512bf16": "vdpbf16ps", "avx512amx": "tdpbf16ps"}.get(attnkit.get_isa(), "fp32 FMA")
+    assert re.search(r"\d% of " + expected, row), row
+
+
 def test_labels_and_per_instruction_peak():
     """The verify number is labelled, each row names the instruction its % peak is of (a
     bf16 row on vdpbf16ps against that peak, not fp32's), and the protocol it cites is in

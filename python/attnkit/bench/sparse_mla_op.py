@@ -17,7 +17,7 @@ from typing import Optional
 
 import numpy as np
 
-from .machine import BF16_DOT, FP32_FMA, bf16_dot_of
+from .machine import AMX_BF16, BF16_DOT, FP32_FMA, bf16_dot_of
 from .registry import (BenchOp, Check, Contender, Counts, attnkit_contenders, itemsize, numpy_dtype,
                        optional_torch, register, shape_int)
 
@@ -253,12 +253,13 @@ class SparseMlaOp(BenchOp):
         return replace(s, s_q=min(s.s_q, QUICK_S_Q), quick=True)
 
     def peak_of(self, row):
-        # KV·Qᵀ and P·V run on vdpbf16ps where the CPU has it (fp8 and bf16 values are exact in
-        # bf16; P is rounded to bf16, as in FlashMLA)
+        # KV·Qᵀ and P·V run on the variant's bf16 instruction (AMX tiles on avx512amx, vdpbf16ps
+        # on avx512bf16: fp8 and bf16 values are exact in bf16; P is rounded to bf16, as in FlashMLA)
         import attnkit
 
-        if row.contender == "attnkit" and bf16_dot_of(attnkit.get_isa()) == BF16_DOT:
-            return BF16_DOT
+        bf16_dot = bf16_dot_of(attnkit.get_isa())
+        if row.contender == "attnkit" and bf16_dot in (AMX_BF16, BF16_DOT):
+            return bf16_dot
         return FP32_FMA
 
     def dtypes_for(self, shape, requested):
