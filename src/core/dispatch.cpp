@@ -110,9 +110,10 @@ bool avx512amx_runnable() {
 }
 
 // avx512amx: the bf16 tile loop (dense, varlen and paged prefill), sage's Q·Kᵀ (int8) and
-// P·V, the backward's bf16 products and the sparse MLA tile loop (prefill and MLA decode) on
-// AMX tiles; every other entry as the best variant without AMX (avx512vnni's on the CPUs of the
-// bf16 rule, which all AMX CPUs so far are, else avx512bf16's).
+// P·V, the backward's bf16 products, the sparse MLA tile loop (prefill and MLA decode) and the
+// DSA indexer's scores on AMX tiles; every other entry as the best variant without AMX
+// (avx512vnni's on the CPUs of the bf16 rule, which all AMX CPUs so far are, else
+// avx512bf16's).
 const cpu::KernelTable avx512amx_table = [] {
   cpu::KernelTable t = bf16_dot_slower_than_fma(cpu_id()) ? avx512vnni_table : cpu::avx512bf16::kernel_table;
   t.isa = "avx512amx";
@@ -121,6 +122,7 @@ const cpu::KernelTable avx512amx_table = [] {
   t.attention_bwd = cpu::avx512amx::kernel_table.attention_bwd;
   t.sparse_mla_fwd = cpu::avx512amx::kernel_table.sparse_mla_fwd;
   t.mla_decode_fwd = cpu::avx512amx::kernel_table.mla_decode_fwd;
+  t.indexer_logits = cpu::avx512amx::kernel_table.indexer_logits;
   return t;
 }();
 #endif

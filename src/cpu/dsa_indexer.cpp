@@ -17,6 +17,7 @@
 #include "cpu/kernels.h"
 #include "cpu/kernels/convert.h"
 #include "cpu/kernels/gemm.h"
+#include "cpu/kernels/gemm_amx.h"
 #include "cpu/kernels/gemm_dot.h"
 #include "cpu/kernels/workspace.h"
 #include "ops/dsa_params.h"
@@ -31,6 +32,11 @@ constexpr int64_t kBlockColumns = 128;  // rows · padded heads per task (Qᵀ c
 constexpr bool kBf16Dot = true;
 #else
 constexpr bool kBf16Dot = false;
+#endif
+#if defined(ATTNKIT_ISA_avx512amx)
+constexpr bool kAmx = true;  // S = Q · Kᵀ on AMX tiles (D in {32, 64, 128}: whole tiles of pairs)
+#else
+constexpr bool kAmx = false;
 #endif
 
 // --- top-k selection ------------------------------------------------------------------------
@@ -107,7 +113,8 @@ class Indexer {
                         + cols_                              // weights by column
                         + kKeyTile * cols_                   // Sᵀ
                         + kKeyTile * (kBf16Dot ? d_pairs_ : p.d)  // the key tile
-                        + kKeyTile;                          // its scales
+                        + kKeyTile                           // its scales
+                        + (kAmx ? cols_ * d_pairs_ + d_pairs_ * kKeyTile : 0);  // Q's rows, the tile's pairs
   }
 
   // The valid keys [lo, hi) of row r.
@@ -140,6 +147,7 @@ class Indexer {
  private:
   struct Scratch {
     float *qt, *wcol, *st, *kt, *kscale;
+    uint32_t *q_rows, *k_pairs;  // AMX: Q's pairs by column [cols][d_pairs], the key tile's [d_pairs][kKeyTile]
   };
   Scratch carve(float* w) const {
     Scratch s;
@@ -148,6 +156,8 @@ class Indexer {
     s.st = s.wcol + cols_;
     s.kt = s.st + kKeyTile * cols_;
     s.kscale = s.kt + kKeyTile * (kBf16Dot ? d_pairs_ : p_.d);
+    s.q_rows = reinterpret_cast<uint32_t*>(s.kscale + kKeyTile);
+    s.k_pairs = s.q_rows + cols_ * d_pairs_;
     return s;
   }
 
@@ -173,6 +183,12 @@ class Indexer {
           }
         }
       }
+    }
+    if constexpr (kAmx) {
+      transpose_matrix(s.qt, cols_, d_pairs_, cols_, reinterpret_cast<float*>(s.q_rows), d_pairs_);
+#if defined(ATTNKIT_ISA_avx512amx)
+      amx_configure();  // once per task, before its first tile
+#endif
     }
   }
 
@@ -218,7 +234,26 @@ class Indexer {
   // stored Sᵀ [n][cols].
   template <class Emit>
   void tile_logits(int64_t n, const Scratch& s, int64_t nr, Emit emit) const {
-#if defined(ATTNKIT_ISA_avx512bf16)
+#if defined(ATTNKIT_ISA_avx512amx)
+    // S = Q · Kᵀ [column][key] on AMX tiles (the key tile's pairs transposed, keys past n zero),
+    // then the reduction over heads along the keys, so that no horizontal sum is needed.
+    const int64_t n_pad = round_up(n, kAmxTile);
+    std::memset(s.kt + n * d_pairs_, 0, sizeof(float) * (n_pad - n) * d_pairs_);
+    transpose_matrix(s.kt, d_pairs_, n_pad, d_pairs_, reinterpret_cast<float*>(s.k_pairs), kKeyTile);
+    gemm_amx_bf16(nr * hpad_, n_pad, d_pairs_, s.q_rows, d_pairs_, s.k_pairs, kKeyTile, s.st, kKeyTile, false);
+    float sums[kKeyTile];
+    for (int64_t t = 0; t < nr; ++t) {
+      for (int64_t j = 0; j < n_pad; j += kLanes) {
+        vfloat acc{};
+        for (int64_t h = 0; h < p_.h; ++h) {
+          const vfloat v = vload(s.st + (t * hpad_ + h) * kKeyTile + j);
+          acc += (v < 0.0f ? vfloat{} : v) * vbroadcast(s.wcol[t * hpad_ + h]);  // ReLU, NaN kept
+        }
+        vstore(sums + j, acc);
+      }
+      for (int64_t j = 0; j < n; ++j) emit(t, j, sums[j] * s.kscale[j]);
+    }
+#elif defined(ATTNKIT_ISA_avx512bf16)
     for (int64_t t = 0; t < nr; ++t) {
       float* sums = s.st + t * kKeyTile;
       std::memset(sums, 0, sizeof(float) * n);

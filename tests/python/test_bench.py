@@ -56,10 +56,11 @@ def test_paged_fp8_rows_name_the_bf16_path():
 
 
 @pytest.mark.parametrize("args", [("--op", "sparse_mla", "--shape", "B,s_q=2,h_q=16,topk=256,s_kv=1024", "--dtype", "fp8"),
-                                  ("--op", "dsa", "--shape", "D,b=2,h=16,topk=256,s_k=1000")])
+                                  ("--op", "dsa", "--shape", "D,b=2,h=16,topk=256,s_k=1000"),
+                                  ("--op", "dsa", "--shape", "IL,rows=4,keys=600")])
 def test_sparse_mla_rows_name_the_bf16_path(args):
-    """Sparse MLA (prefill) and its decode run both products on the variant's bf16 instruction:
-    AMX tiles on avx512amx, vdpbf16ps on avx512bf16, fp32 FMAs elsewhere."""
+    """Sparse MLA (prefill), its decode and the DSA indexer run their products on the variant's
+    bf16 instruction: AMX tiles on avx512amx, vdpbf16ps on avx512bf16, fp32 FMAs elsewhere."""
     import re
 
     import attnkit

@@ -19,7 +19,7 @@ from typing import Optional
 
 import numpy as np
 
-from .machine import AMX_BF16, BF16_DOT, FP32_FMA, bf16_dot_of
+from .machine import FP32_FMA, bf16_dot_of
 from .registry import BenchOp, Check, Contender, Counts, attnkit_contenders, optional_torch, register, shape_int
 from .sparse_mla_op import _checks
 
@@ -118,16 +118,13 @@ class DsaOp(BenchOp):
         return replace(s, rows=max(1, s.rows // 16) if s.kind != "D" else s.rows, keys=keys, quick=True)
 
     def peak_of(self, row):
-        """attnkit's sparse decode products run on its variant's bf16 instruction (AMX tiles on
-        avx512amx, vdpbf16ps on avx512bf16), the indexer logits on vdpbf16ps where its variant
-        has it (avx512amx takes avx512vnni's fp32 indexer); top-k and the peers on fp32."""
+        """attnkit's indexer scores and sparse decode products run on its variant's bf16
+        instruction (AMX tiles on avx512amx, vdpbf16ps on avx512bf16, else fp32 FMAs); top-k
+        and the peers on fp32."""
         import attnkit
-        kind, bf16_dot = row.case.shape.kind, bf16_dot_of(attnkit.get_isa())
-        if row.contender != "attnkit" or kind == "TK":
-            return FP32_FMA
-        if kind == "D" and bf16_dot == AMX_BF16:
-            return AMX_BF16
-        return BF16_DOT if bf16_dot == BF16_DOT else FP32_FMA
+        if row.contender == "attnkit" and row.case.shape.kind != "TK":
+            return bf16_dot_of(attnkit.get_isa())
+        return FP32_FMA
 
     def dtypes_for(self, shape, requested):
         if requested is None or FP8 in requested:
