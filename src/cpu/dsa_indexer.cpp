@@ -27,7 +27,6 @@ namespace {
 
 constexpr int64_t kKeyTile = 64;      // keys per Sᵀ tile
 constexpr int64_t kKeyChunk = 8192;   // keys per task when logits are written (amortises packing Qᵀ)
-constexpr int64_t kBlockColumns = 128;  // rows · padded heads per task (Qᵀ columns)
 #if defined(ATTNKIT_ISA_avx512bf16)
 constexpr bool kBf16Dot = true;
 #else
@@ -38,6 +37,9 @@ constexpr bool kAmx = true;  // S = Q · Kᵀ on AMX tiles (D in {32, 64, 128}: 
 #else
 constexpr bool kAmx = false;
 #endif
+// rows · padded heads per task (Qᵀ columns): a register tile's width, or on AMX more, so that
+// each key tile's conversion serves more rows (IL on the Xeon: 128 -> 512 columns, 107 -> 82 ms)
+constexpr int64_t kBlockColumns = kAmx ? 512 : 128;
 
 // --- top-k selection ------------------------------------------------------------------------
 
@@ -243,13 +245,13 @@ class Indexer {
     gemm_amx_bf16(nr * hpad_, n_pad, d_pairs_, s.q_rows, d_pairs_, s.k_pairs, kKeyTile, s.st, kKeyTile, false);
     float sums[kKeyTile];
     for (int64_t t = 0; t < nr; ++t) {
-      for (int64_t j = 0; j < n_pad; j += kLanes) {
-        vfloat acc{};
-        for (int64_t h = 0; h < p_.h; ++h) {
-          const vfloat v = vload(s.st + (t * hpad_ + h) * kKeyTile + j);
-          acc += (v < 0.0f ? vfloat{} : v) * vbroadcast(s.wcol[t * hpad_ + h]);  // ReLU, NaN kept
-        }
-        vstore(sums + j, acc);
+      const float* st = s.st + t * hpad_ * kKeyTile;
+      const float* w = s.wcol + t * hpad_;
+      switch (n_pad / kLanes) {  // the key vectors side by side: independent sums
+        case 4: relu_dot_heads<4>(st, w, sums); break;
+        case 3: relu_dot_heads<3>(st, w, sums); break;
+        case 2: relu_dot_heads<2>(st, w, sums); break;
+        default: relu_dot_heads<1>(st, w, sums);
       }
       for (int64_t j = 0; j < n; ++j) emit(t, j, sums[j] * s.kscale[j]);
     }
@@ -279,6 +281,24 @@ class Indexer {
     }
 #endif
   }
+
+#if defined(ATTNKIT_ISA_avx512amx)
+  // sums[j] = Σ_h ReLU(st[h][j]) · w[h] (NaN kept) for the first NV vectors of keys of S's rows.
+  template <int NV>
+  void relu_dot_heads(const float* st, const float* w, float* sums) const {
+    vfloat acc[NV] = {};
+    for (int64_t h = 0; h < p_.h; ++h) {
+      const vfloat wh = vbroadcast(w[h]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        const vfloat x = vload(st + h * kKeyTile + v * kLanes);
+        acc[v] += (x < 0.0f ? vfloat{} : x) * wh;
+      }
+    }
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) vstore(sums + v * kLanes, acc[v]);
+  }
+#endif
 
   void logits_task(const RowBlock& blk, int64_t k0, float* w) const {
     const Scratch s = carve(w);
