@@ -45,6 +45,7 @@ namespace attnkit::cpu::ATTNKIT_ISA::sparse_tile {
 #if defined(ATTNKIT_ISA_avx512amx)
 constexpr bool kAmx = true;
 constexpr int64_t kWholeTile = kAmxTile;  // AMX products take whole tiles: 16 rows, 16 pairs
+static_assert(kAmxTile == kLanes);
 #else
 constexpr bool kAmx = false;
 constexpr int64_t kWholeTile = 1;
@@ -90,7 +91,7 @@ struct Plan {
     d_pad = round_up(p.d_qk, kLanes);
     dv_pad = round_up(p.d_v, kLanes);  // <= d_pad: V columns are read from the kv tile
     d_pairs = (p.d_qk + 1) / 2;
-    kv_ld = round_up(d_pairs, kWholeTile);
+    kv_ld = kBf16Dot ? round_up(d_pairs, kLanes) : d_pairs;  // whole 16 × 16 blocks (pack_qt, AMX tiles)
     workspace_floats = qt_floats(p) + rows_pad * dv_pad + kSlotTile * rows_pad + scratch_floats()
                        + (kBf16Dot ? kSlotTile * kv_ld + kSlotTile / 2 * dv_pad : 0) + 3 * rows_pad;
   }
@@ -100,11 +101,11 @@ struct Plan {
   // on kBf16Dot the gathered rows as bf16 pairs [kSlotTile][kv_ld] and V paired along keys
   // [kSlotTile / 2][dv_pad], then the running max, sum and rescale factors [rows_pad] each.
   int64_t qt_floats(const SparseMlaParams& p) const { return (kBf16Dot ? kv_ld : p.d_qk) * rows_pad; }
-  // The gathered rows dequantised to fp32 [kSlotTile][d_pad]; on kBf16Dot only pack_qt's row
-  // (d_pad) and, on AMX, P's rows for P·V [rows_pad][kSlotTile / 2].
+  // The gathered rows dequantised to fp32 [kSlotTile][d_pad]; on kBf16Dot only pack_qt's rows
+  // [rows_pad][kv_ld] and, on AMX, P's rows for P·V [rows_pad][kSlotTile / 2].
   int64_t scratch_floats() const {
     if (!kBf16Dot) return kSlotTile * d_pad;
-    return std::max(d_pad, kAmx ? rows_pad * kSlotTile / 2 : 0);
+    return rows_pad * std::max(kv_ld, kAmx ? kSlotTile / 2 : 0);
   }
   // Split-KV partials are kept per task, rows_pad rows each (AMX writes whole tiles of O).
   int64_t partial_rows(const SparseMlaParams& p) const { return splits > 1 ? p.s_q * splits * head_blocks * rows_pad : 0; }
@@ -117,13 +118,6 @@ inline void copy_bf16_row(const uint16_t* src, int64_t stride, int64_t n, uint16
   } else {
     for (int64_t d = 0; d < n; ++d) dst[d] = src[d * stride];
   }
-}
-
-// The top half of a float that is exactly a bf16 value (bf16 and fp8 inputs are).
-inline uint32_t bf16_bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  return u >> 16;
 }
 
 // The split-KV partials of every task (query row, split, head block): O [rows_pad][dv_pad]
@@ -264,35 +258,34 @@ class SparseMlaTask {
   }
 
  private:
-  // Qᵀ [d_qk][rows_pad] of heads h0 .. h0+nh-1, dequantised and scaled by sm_scale ·
-  // q_scale · kv_scale so that Sᵀ holds the logits; padding heads are zero.
-  // `row` is scratch for one dequantised row (vector conversion, then a transposed copy).
-  // On the bf16-dot path Qᵀ holds unscaled bf16 pairs (exact) instead.
-  // Contiguous bf16 q of even d_qk is already in pairs: copied as 32-bit words, Qᵀ written in
-  // address order (a head-by-head scatter of its 147 KB measured 15% of a batch-1 decode).
-  void pack_qt(int64_t s, int64_t h0, int64_t nh, float* qt, float* row) const {
+  // Qᵀ of heads h0 .. h0+nh-1 (padding heads zero): on the bf16-dot path unscaled bf16 pairs
+  // [kv_ld][rows_pad] (exact: bf16 and fp8 values are bf16 values), written as Q's rows of pairs
+  // [rows_pad][kv_ld] into `scratch` and transposed in 16 × 16 blocks (element by element, an
+  // fp8 q took 15% of the prefill's tile loop on the Xeon); else fp32 [d_qk][rows_pad] scaled by
+  // sm_scale · q_scale · kv_scale so that Sᵀ holds the logits, through one row of `scratch`.
+  void pack_qt(int64_t s, int64_t h0, int64_t nh, float* qt, float* scratch) const {
     const int64_t ld = plan_.rows_pad;
-    std::memset(qt, 0, sizeof(float) * plan_.qt_floats(p_));
-    const E* base = static_cast<const E*>(rows_.q_row(s));
-    if (kBf16Dot && TQ == DType::bfloat16 && p_.q_stride[2] == 1 && p_.d_qk % 2 == 0) {
-      uint32_t* qtp = reinterpret_cast<uint32_t*>(qt);
-      const int64_t head_stride = p_.q_stride[1];  // a local: the stores could alias p_'s
-      const E* q = base + h0 * head_stride;
-      for (int64_t i = 0; i < plan_.d_pairs; ++i) {
-        for (int64_t r = 0; r < nh; ++r) std::memcpy(qtp + i * ld + r, q + r * head_stride + 2 * i, sizeof(uint32_t));
+    const E* base = static_cast<const E*>(rows_.q_row(s)) + h0 * p_.q_stride[1];
+    if constexpr (kBf16Dot) {
+      const int64_t width = 2 * plan_.kv_ld;  // bf16 values per row
+      for (int64_t r = 0; r < ld; ++r) {
+        uint16_t* dst = reinterpret_cast<uint16_t*>(scratch) + r * width;
+        const E* q = base + r * p_.q_stride[1];
+        const int64_t n = r < nh ? p_.d_qk : 0;
+        if constexpr (TQ == DType::bfloat16) {
+          copy_bf16_row(q, p_.q_stride[2], n, dst);
+        } else {
+          Fp8ToBf16<TQ>().row(q, p_.q_stride[2], n, dst);
+        }
+        std::fill(dst + n, dst + width, uint16_t{0});
       }
+      transpose_matrix(scratch, plan_.kv_ld, ld, plan_.kv_ld, qt, ld);
       return;
     }
+    std::memset(qt, 0, sizeof(float) * plan_.qt_floats(p_));
     for (int64_t r = 0; r < nh; ++r) {
-      load_row<TQ>(base + (h0 + r) * p_.q_stride[1], p_.q_stride[2], p_.d_qk, kBf16Dot ? 1.0f : p_.logit_scale, row);
-      if constexpr (kBf16Dot) {
-        uint32_t* qtp = reinterpret_cast<uint32_t*>(qt);
-        for (int64_t d = 0; d < p_.d_qk; d += 2) {
-          qtp[d / 2 * ld + r] = bf16_bits(row[d]) | (d + 1 < p_.d_qk ? bf16_bits(row[d + 1]) << 16 : 0u);
-        }
-      } else {
-        for (int64_t d = 0; d < p_.d_qk; ++d) qt[d * ld + r] = row[d];
-      }
+      load_row<TQ>(base + r * p_.q_stride[1], p_.q_stride[2], p_.d_qk, p_.logit_scale, scratch);
+      for (int64_t d = 0; d < p_.d_qk; ++d) qt[d * ld + r] = scratch[d];
     }
   }
 
