@@ -269,8 +269,8 @@ std::string isa_rule() {
     const std::string name = v.table->isa;
     if (name == "avx512amx") {
       return name + ": " + describe(id) +
-             " has AMX tiles, so bf16 prefill and backward run their products on tdpbf16ps and int8 "
-             "Sage its Q·Kᵀ on tdpbusd" +
+             " has AMX tiles, so bf16 prefill and backward, sparse MLA and the DSA indexer run their "
+             "products on tdpbf16ps and int8 Sage its Q·Kᵀ on tdpbusd" +
              (bf16_dot_slower_than_fma(id) ? "; other bf16 paths as avx512vnni (Intel family 6)" : "");
     }
     if (name == "avx512vnni") {
