@@ -1,8 +1,9 @@
 // DSA's lightning indexer and top-k on the CPU. Indexer logits: a task is a block of query
-// rows (all their heads, rows·heads ~ 128 columns) and a chunk of keys; per tile of 64 keys
-// Sᵀ = K · Qᵀ runs on the shared register tiles (vdpbf16ps on avx512bf16: e4m3 values are
-// exact in bf16, so products are exact and only fp32 summation order differs from exact),
-// then each (key, row) reduces Σ_h w·ReLU(s) · k_scale. Top-k orders candidates by (value
+// rows (all their heads, rows·heads ~ 128 columns, 512 on AMX) and a chunk of keys; per tile
+// of 64 keys Sᵀ = K · Qᵀ runs on the shared register tiles (vdpbf16ps on avx512bf16: e4m3
+// values are exact in bf16, so products are exact and only fp32 summation order differs from
+// exact) or S = Q · Kᵀ on AMX tiles (avx512amx), then each (key, row) reduces
+// Σ_h w·ReLU(s) · k_scale. Top-k orders candidates by (value
 // desc, index asc) packed into one 64-bit key, so selection is exact, deterministic and
 // independent of how rows or keys were split; the fused indexer keeps a bounded candidate
 // buffer per row (streaming) instead of a row of logits. Compiled per ISA.
@@ -232,8 +233,8 @@ class Indexer {
   // For key j of the loaded key tile and block row t: emit(t, j, Σ_h w·ReLU(s) · k_scale), over
   // the block's nr rows only (a block of fewer rows than it has room for, e.g. one decode row
   // per sequence, computed its empty columns too: the paged indexer at twice the time). On
-  // vdpbf16ps the reduction runs on the scores in registers (gemm_bf16_relu_dot), else over a
-  // stored Sᵀ [n][cols].
+  // AMX over a stored S [cols][keys] along the keys; on vdpbf16ps on the scores in registers
+  // (gemm_bf16_relu_dot); else over a stored Sᵀ [n][cols].
   template <class Emit>
   void tile_logits(int64_t n, const Scratch& s, int64_t nr, Emit emit) const {
 #if defined(ATTNKIT_ISA_avx512amx)
