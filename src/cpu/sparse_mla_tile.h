@@ -268,16 +268,19 @@ class SparseMlaTask {
     const E* base = static_cast<const E*>(rows_.q_row(s)) + h0 * p_.q_stride[1];
     if constexpr (kBf16Dot) {
       const int64_t width = 2 * plan_.kv_ld;  // bf16 values per row
-      for (int64_t r = 0; r < ld; ++r) {
-        uint16_t* dst = reinterpret_cast<uint16_t*>(scratch) + r * width;
-        const E* q = base + r * p_.q_stride[1];
-        const int64_t n = r < nh ? p_.d_qk : 0;
-        if constexpr (TQ == DType::bfloat16) {
-          copy_bf16_row(q, p_.q_stride[2], n, dst);
-        } else {
-          Fp8ToBf16<TQ>().row(q, p_.q_stride[2], n, dst);
+      auto rows = [&](auto load) {  // load(q, dst): q's row as d_qk bf16 values
+        for (int64_t r = 0; r < ld; ++r) {
+          uint16_t* dst = reinterpret_cast<uint16_t*>(scratch) + r * width;
+          const int64_t n = r < nh ? p_.d_qk : 0;
+          if (n) load(base + r * p_.q_stride[1], dst);
+          std::fill(dst + n, dst + width, uint16_t{0});
         }
-        std::fill(dst + n, dst + width, uint16_t{0});
+      };
+      if constexpr (TQ == DType::bfloat16) {
+        rows([&](const E* q, uint16_t* dst) { copy_bf16_row(q, p_.q_stride[2], p_.d_qk, dst); });
+      } else {
+        const Fp8ToBf16<TQ> to_bf16;
+        rows([&](const E* q, uint16_t* dst) { to_bf16.row(q, p_.q_stride[2], p_.d_qk, dst); });
       }
       transpose_matrix(scratch, plan_.kv_ld, ld, plan_.kv_ld, qt, ld);
       return;
