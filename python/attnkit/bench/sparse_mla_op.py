@@ -17,7 +17,7 @@ from typing import Optional
 
 import numpy as np
 
-from .machine import AMX_BF16, BF16_DOT, FP32_FMA, bf16_dot_of
+from .machine import FP32_FMA, bf16_dot_of
 from .registry import (BenchOp, Check, Contender, Counts, attnkit_contenders, itemsize, numpy_dtype,
                        optional_torch, register, shape_int)
 
@@ -257,9 +257,8 @@ class SparseMlaOp(BenchOp):
         # on avx512bf16: fp8 and bf16 values are exact in bf16; P is rounded to bf16, as in FlashMLA)
         import attnkit
 
-        bf16_dot = bf16_dot_of(attnkit.get_isa())
-        if row.contender == "attnkit" and bf16_dot in (AMX_BF16, BF16_DOT):
-            return bf16_dot
+        if row.contender == "attnkit":
+            return bf16_dot_of(attnkit.get_isa())
         return FP32_FMA
 
     def dtypes_for(self, shape, requested):
