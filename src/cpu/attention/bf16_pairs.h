@@ -185,6 +185,76 @@ void AttentionTask<T, TK>::pv_amx(const RowBlock& rb, const KvRows<EK>& vrows, u
   std::memset(rest, 0, sizeof(uint32_t) * (kp - pairs) * dv_pad);
   gemm_amx_bf16(ld, dv_pad, kp - in_place, p_rows + in_place, kp, vp, dv_pad, w.o, dv_pad, true);
 }
+
+// Decode on AMX tiles (Mode::amx_tiles), before the row block's first key block: the tiles
+// configured for its rows, and Qᵀ as bf16 pairs into w.qt [kp][rows] (kp: whole tiles of
+// pairs, zero past D), unscaled. Rows are paired into w.k first (free until then).
+template <DType T, DType TK>
+void AttentionTask<T, TK>::start_rows_amx(const RowBlock& rb, const Workspace& w) const {
+  static_assert(kDecodeKeys == kAmxTile, "a key block is one tile of keys");
+  amx_configure_decode(rb.rows);
+  const int64_t pairs = (p_.D + 1) / 2, kp = round_up(pairs, kAmxTile);
+  uint32_t* rows = reinterpret_cast<uint32_t*>(w.k);
+  uint32_t* qt = reinterpret_cast<uint32_t*>(w.qt);
+  for (int64_t r = 0; r < rb.rows; ++r) {
+    pack_pairs(reinterpret_cast<const uint16_t*>(q_row(rb, r)), p_.q_stride[3],
+               rows + r * pairs);  // E is bf16 here
+  }
+  for (int64_t q = 0; q < kp; ++q) {
+    for (int64_t r = 0; r < rb.rows; ++r) qt[q * rb.rows + r] = q < pairs ? rows[r * pairs + q] : 0u;
+  }
+}
+
+// Decode on AMX tiles: Sᵀ [16][rows] of the block's bc <= 16 keys into st_t, unscaled (rows
+// past bc hold zero scores, for the caller to mask): K's rows in place where the 16 lie in
+// one run and their pairs fill whole tiles, else staged as zero-padded pairs in w.k (an fp8
+// cache's converted exactly).
+template <DType T, DType TK>
+void AttentionTask<T, TK>::qk_tiles_amx(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t bc,
+                                        const Workspace& w, float* st_t) const {
+  const int64_t pairs = (p_.D + 1) / 2, kp = round_up(pairs, kAmxTile);
+  const uint32_t* k;
+  int64_t k_stride;  // bytes
+  if (rb.mode->k_in_place && pairs == kp && bc == kAmxTile && krows.run_end(j0, j0 + bc) == j0 + bc) {
+    k = reinterpret_cast<const uint32_t*>(krows.row(j0)), k_stride = krows.stride * int64_t{sizeof(EK)};
+  } else {
+    uint32_t* staged = pack_key_pairs(krows, j0, bc, kp, w);
+    std::memset(staged + bc * kp, 0, sizeof(uint32_t) * (kAmxTile - bc) * kp);
+    k = staged, k_stride = kp * int64_t{sizeof(uint32_t)};
+  }
+  amx_decode_scores(k, k_stride, kp, reinterpret_cast<const uint32_t*>(w.qt), rb.rows, st_t);
+}
+
+// Decode on AMX tiles: the block's scores row-major into w.st (s[r * kDecodeKeys + j] =
+// st_t[j][r]), times the scale.
+template <DType T, DType TK>
+void AttentionTask<T, TK>::take_scores_amx(const RowBlock& rb, const float* st_t, const Workspace& w) const {
+  const vint keys = vint{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} * static_cast<int>(rb.rows);
+  const vfloat scale = vbroadcast(rb.scale);
+  for (int64_t r = 0; r < rb.rows; ++r) {
+    const __m512i index = (__m512i)(keys + static_cast<int>(r));
+    const vfloat s = (vfloat)_mm512_mask_i32gather_ps(_mm512_setzero_ps(), 0xFFFF, index, st_t, 4);
+    vstore(w.st + r * kDecodeKeys, s * scale);
+  }
+}
+
+// Decode on AMX tiles: O += P · V for the block's bc keys: P rounded to bf16 and paired in
+// place (keys past bc have P = 0), V's rows interleaved into key pairs in w.v (an fp8
+// cache's converted through w.k), zero pairs up to 8. O in column order.
+template <DType T, DType TK>
+void AttentionTask<T, TK>::pv_rows_amx(const RowBlock& rb, const KvRows<EK>& vrows, int64_t j0, int64_t bc,
+                                       const Workspace& w) const {
+  constexpr int64_t kPairs = kDecodeKeys / 2;
+  const int64_t dv_pad = plan_.dv_pad, pairs = (bc + 1) / 2;
+  uint32_t* pp = reinterpret_cast<uint32_t*>(w.st);
+  for (int64_t r = 0; r < rb.rows; ++r) {
+    pair_values_bf16(w.st + r * kDecodeKeys, kDecodeKeys, pp + r * kDecodeKeys);
+  }
+  uint32_t* vp = reinterpret_cast<uint32_t*>(w.v);
+  interleave_v_tile(vrows, j0, bc, vp, w);
+  std::memset(vp + pairs * dv_pad, 0, sizeof(uint32_t) * (kPairs - pairs) * dv_pad);
+  amx_decode_pv(pp, kDecodeKeys * int64_t{sizeof(uint32_t)}, vp, dv_pad, w.o, dv_pad, dv_pad);
+}
 #endif
 
 // O += P · V over `pairs` key pairs, P pairs [pairs][rows_pad], V pairs [pairs][dv_pad]: as

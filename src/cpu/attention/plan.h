@@ -106,6 +106,8 @@ struct Mode {
                         // decode) by the split-bf16 tile; O in split order
   bool pv_row_pairs;    // key blocks: P·V on bf16 pairs, V's rows interleaved in registers
                         // (gemm_bf16_row_pairs; an fp8 cache's converted); O in pair order
+  bool amx_tiles;       // key blocks: both products of qk_pairs's inputs on AMX tiles (avx512amx):
+                        // Sᵀ of 16 keys from K's rows, P·V over their 8 key pairs; O in column order
 };
 
 // How the work splits into tasks, and the per-thread workspace each task uses.
@@ -170,8 +172,11 @@ struct Plan {
     group_kv_heads = p.Hkv > 1 && heads_inside_key(p.k_stride, p.D) && heads_inside_key(p.v_stride, p.Dv);
     int64_t qt_floats = 0;  // Q grouped for dot_key_block (dot.h's group_rows)
     for (int64_t r = 1; r <= kLanes / 2; ++r) {
-      if (few[r].key_blocks)
+      if (few[r].amx_tiles) {  // Qᵀ as whole tiles of pairs
+        qt_floats = std::max(qt_floats, round_up((p.D + 1) / 2, kLanes) * r);
+      } else if (few[r].key_blocks) {
         qt_floats = std::max(qt_floats, (r + few[r].rows_per_vec - 1) / few[r].rows_per_vec * few[r].chunks * kLanes);
+      }
     }
     head_state_floats = 3 * kLanes + kMaxDotRows * dv_pad + qt_floats;  // m, l, alpha, O, Q
     plan_sequences(p);
@@ -273,7 +278,11 @@ struct Plan {
     // does too, from V's rows as they lie: half the instructions of the split-bf16 tile's
     // fp32 FMAs, and each V row read once.
     m.pv_bf16 = kDotProducts && ((int8 && !pv_int8) || (bf16_dot && !key_blocks));
-    m.pv_row_pairs = key_blocks && bf16_dot && p.Dv % 32 == 0;
+    // Decode's products on AMX tiles: on the Xeon with AMX (P16, one thread) the vdpbf16ps key
+    // blocks took 12.5 ms (bf16) / 19 (fp8) with K and V in L2, the tiles 8.4-9.0 / 14; from
+    // memory 28.5 / 27.6 against 25 / 24 ms (the reads and the products barely overlap there).
+    m.amx_tiles = m.qk_pairs && amx;
+    m.pv_row_pairs = key_blocks && bf16_dot && p.Dv % 32 == 0 && !m.amx_tiles;
     const int64_t elems = bf16_dot || m.qk_pairs ? (p.D + 1) / 2 : p.D;  // per Q/K row: fp32, or bf16 pairs
     m.rows_per_vec = rows_per_vector(rows, elems);
     const int64_t segment = kLanes / m.rows_per_vec;
@@ -291,7 +300,7 @@ struct Plan {
       m.k_in_place = p.kv_dtype == DType::float32 && p.k_stride[3] == 1 && whole_chunks;
     }
     m.v_split_bf16 = (p.kv_dtype == DType::bfloat16 || (fp8_cache && key_blocks)) && p.v_stride[3] == 1 &&
-                     p.Dv % (2 * kLanes) == 0 && !m.pv_bf16 && !m.pv_row_pairs && !pv_int8;
+                     p.Dv % (2 * kLanes) == 0 && !m.pv_bf16 && !m.pv_row_pairs && !m.amx_tiles && !pv_int8;
     return m;
   }
 };

@@ -216,8 +216,12 @@ class AttentionTask {
   void attend_rows(const RowBlock& rb, int64_t begin, int64_t end, const Workspace& w) const;
   void attend_kv_heads(const RowBlock* rbs, int64_t kv_heads, int64_t begin, int64_t end, const Workspace& w) const;
   void start_rows(const RowBlock& rb, const Workspace& w) const;
+  // st_t: on AMX tiles (Mode::amx_tiles), the block's Sᵀ computed ahead (scores_ahead); else null.
   void attend_key_block(const RowBlock& rb, const KvRows<EK>& krows, const KvRows<EK>& vrows, int64_t j0,
-                        int64_t end, bool prefetch, const Workspace& w) const;
+                        int64_t end, bool prefetch, const Workspace& w, const float* st_t) const;
+  void scores_ahead(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t end, const Workspace& w,
+                    float* st_t) const;
+  float* scores_t(const Workspace& w, int64_t slot) const;
   static void prefetch_rows(const KvRows<EK>& rows, int64_t first, int64_t end, int64_t cols);
   static void touch_key_block(const KvRows<EK>& krows, const KvRows<EK>& vrows, int64_t k_span, int64_t v_span,
                               int64_t j0, int64_t end);
@@ -249,6 +253,13 @@ class AttentionTask {
   void pv_amx(const RowBlock& rb, const KvRows<EK>& vrows, uint32_t* pp, int64_t j0, int64_t bc,
               const Workspace& w) const;
 #endif
+  // Decode on AMX tiles (bf16_pairs.h; defined on avx512amx only, called under kAmxTiles).
+  void start_rows_amx(const RowBlock& rb, const Workspace& w) const;
+  void qk_tiles_amx(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t bc, const Workspace& w,
+                    float* st_t) const;
+  void take_scores_amx(const RowBlock& rb, const float* st_t, const Workspace& w) const;
+  void pv_rows_amx(const RowBlock& rb, const KvRows<EK>& vrows, int64_t j0, int64_t bc,
+                   const Workspace& w) const;
 
   // Masks, score modifiers and dropout on a tile of scores (scores.h).
   void apply_masks(const RowBlock& rb, int64_t j0, int64_t bc, const Scores& st) const;

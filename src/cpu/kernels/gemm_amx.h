@@ -4,8 +4,9 @@
 // or u8 × s8 quads (tdpbusd: int32 sums, exact, as vpdpbusd). On the Xeon with AMX seen
 // here tdpbf16ps runs about 15 times the fp32 FMA rate, so next to it the softmax's vector
 // work is what costs.
-// Shapes are whole tiles: M and N multiples of 16, K a multiple of 16 pairs (callers pad).
-// Only the avx512amx variant compiles it.
+// gemm_amx's shapes are whole tiles: M and N multiples of 16, K a multiple of 16 pairs
+// (callers pad); decode's kernels (below) size their tiles to its few rows. Only the
+// avx512amx variant compiles it.
 #pragma once
 
 #if defined(ATTNKIT_ISA_avx512amx)
@@ -114,6 +115,60 @@ inline void gemm_amx_bf16(int64_t m, int64_t n, int64_t k, const uint32_t* a, in
 inline void gemm_amx_u8s8(int64_t m, int64_t n, int64_t k, const uint32_t* a, int64_t lda, const uint32_t* b,
                           int64_t ldb, int32_t* c, int64_t ldc, bool accumulate) {
   gemm_amx<int32_t>(m, n, k, a, lda, b, ldb, c, ldc, accumulate);
+}
+
+// Decode's tiles (a row block of `rows` <= 16 query rows over key blocks of 16 keys, both
+// products on tiles; attention's decode.h): 0 Sᵀ (16 keys × rows), 1 K (16 keys × 16 pairs),
+// 2 Qᵀ (16 pairs × rows), 3 P (rows × 8 key pairs), 4 and 7 V (8 key pairs × 16 columns),
+// 5 and 6 O (rows × 16 columns). Sized to the rows, so decode's few rows cost no padding.
+inline void amx_configure_decode(int64_t rows) {
+  alignas(64) uint8_t config[64] = {};
+  config[0] = 1;  // palette 1
+  auto tile = [&](int t, int64_t tile_rows, int64_t bytes) {
+    config[16 + 2 * t] = static_cast<uint8_t>(bytes);
+    config[48 + t] = static_cast<uint8_t>(tile_rows);
+  };
+  tile(0, kAmxTile, 4 * rows);
+  tile(1, kAmxTile, 64);
+  tile(2, kAmxTile, 4 * rows);
+  tile(3, rows, 32);
+  tile(4, 8, 64);
+  tile(5, rows, 64);
+  tile(6, rows, 64);
+  tile(7, 8, 64);
+  _tile_loadconfig(config);
+}
+
+// Decode (amx_configure_decode): st[j][r] = Σ_p k[j][p] ⊙ qt[p][r] for 16 keys on bf16
+// pairs: K rows of kp pairs (a multiple of 16) at k_stride bytes, Qᵀ [kp][rows]; st [16][rows].
+inline void amx_decode_scores(const uint32_t* k, int64_t k_stride, int64_t kp, const uint32_t* qt,
+                              int64_t rows, float* st) {
+  _tile_zero(0);
+  for (int64_t p = 0; p < kp; p += kAmxTile) {
+    _tile_loadd(1, k + p, k_stride);
+    _tile_loadd(2, qt + p * rows, 4 * rows);
+    _tile_dpbf16ps(0, 1, 2);
+  }
+  _tile_stored(0, st, 4 * rows);
+}
+
+// Decode (amx_configure_decode): o[r][c] += Σ_p pp[r][p] ⊙ vp[p][c] over 8 key pairs for
+// c < n (a multiple of 16): P's pair rows at p_stride bytes, V's pairs [8][ldv], O [rows][ldo].
+inline void amx_decode_pv(const uint32_t* pp, int64_t p_stride, const uint32_t* vp, int64_t ldv, float* o,
+                          int64_t ldo, int64_t n) {
+  _tile_loadd(3, pp, p_stride);
+  for (int64_t c = 0; c < n; c += 2 * kAmxTile) {
+    _tile_loadd(5, o + c, 4 * ldo);
+    _tile_loadd(4, vp + c, 4 * ldv);
+    _tile_dpbf16ps(5, 3, 4);
+    if (c + kAmxTile < n) {
+      _tile_loadd(6, o + c + kAmxTile, 4 * ldo);
+      _tile_loadd(7, vp + c + kAmxTile, 4 * ldv);
+      _tile_dpbf16ps(6, 3, 7);
+      _tile_stored(6, o + c + kAmxTile, 4 * ldo);
+    }
+    _tile_stored(5, o + c, 4 * ldo);
+  }
 }
 
 }  // namespace attnkit::cpu::ATTNKIT_ISA
