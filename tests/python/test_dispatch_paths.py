@@ -115,11 +115,11 @@ def test_avx512vnni_is_avx512_for_bf16_and_avx512bf16_for_int8_sage(rng, restore
 
 @pytest.mark.skipif("avx512amx" not in attnkit.supported_isas(), reason="needs AMX (and the OS's leave)")
 def test_avx512amx_is_avx512bf16_outside_the_bf16_products(rng, restore_runtime):
-    """avx512amx runs bf16 products on AMX tiles (the tile loop, decode's key blocks, sage's
-    P·V): fp32 attention is bit-identical to avx512bf16's, whose code it compiles; its bf16
-    prefill and decode sum the same exact products in another order, so they are checked
-    against float64 (and they are not avx512bf16's: the products did run on the tiles; the
-    fp32 lse shows it where the bf16 outputs round alike)."""
+    """avx512amx runs bf16 products on AMX tiles (the tile loop, decode's key blocks over kv
+    heads side by side, sage's P·V): fp32 attention is bit-identical to avx512bf16's, whose
+    code it compiles; its bf16 prefill and decode sum the same exact products in another
+    order, so they are checked against float64 (and they are not avx512bf16's: the products
+    did run on the tiles; the fp32 lse shows it where the bf16 outputs round alike)."""
     def run(isa_name, *args, **kw):
         attnkit.set_isa(isa_name)
         return attnkit.attention(*args, **kw)
@@ -130,6 +130,8 @@ def test_avx512amx_is_avx512bf16_outside_the_bf16_products(rng, restore_runtime)
     prefill, decode = ((1, 8, 2, 150, 333, 96, 80), True), ((2, 8, 2, 1, 300, 128, 128), False)
     for shape, causal in [prefill, decode]:
         q, k, v = make_qkv(rng, *shape, "bfloat16")
+        if shape[3] == 1:  # decode: K and V stored [B, S, H, D], each key's kv heads side by side
+            k, v = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3) for x in (k, v))
         out = poison(q.shape[:3] + (shape[-1],), "bfloat16")
         _, lse = run("avx512amx", q, k, v, causal=causal, enable_gqa=True, out=out, return_lse=True)
         want = attention_ref(q, k, v, causal=causal, enable_gqa=True)[0]

@@ -182,7 +182,8 @@ void AttentionTask<T, TK>::attend_key_block(const RowBlock& rb, const KvRows<EK>
   online_softmax_rows(w.st, width, ld, rb.rows, w.m, w.l, w.alpha);
   rescale_output(rb, w);
   if (p_.dropout_p > 0.0f) apply_dropout(rb, j0, bc, scores);
-  if (prefetch) prefetch_rows(krows, j0 + kDecodeKeys, end, p_.D);
+  // (On AMX tiles the next block's Sᵀ is already under way: the block after it.)
+  if (prefetch) prefetch_rows(krows, j0 + (st_t ? 2 : 1) * kDecodeKeys, end, p_.D);
   if (rb.mode->amx_tiles) {
     if constexpr (kAmxTiles) pv_rows_amx(rb, vrows, j0, bc, w);
   } else if (rb.mode->pv_row_pairs) {

@@ -163,13 +163,13 @@ struct Plan {
     v_pairs = tile.pv_bf16 && !int8 && !p.block_table && !p.kv_begin && p.Sq * p.group > row_target;
     key_tile = amx && !int8 ? kAmxKvTile : kKvTile;  // sage's K scales are per kKvTile keys
     k_floats = std::max(kKvTile * d_pad, amx ? rows_pad * key_tile / 2 : 0);
-    for (int64_t r = 1; r <= kLanes / 2; ++r) few[r] = make_mode(p, r, !int8 && r <= kMaxDotRows);
     // Where each key's rows of all kv heads lie within one key stride: paged caches in
     // FlashAttention's layout, packed (varlen) K/V, dense K/V in [B, S, H, D] order.
     auto heads_inside_key = [&](const int64_t* stride, int64_t cols) {
       return stride[1] > 0 && stride[3] == 1 && (p.Hkv - 1) * stride[1] + cols <= stride[2];
     };
     group_kv_heads = p.Hkv > 1 && heads_inside_key(p.k_stride, p.D) && heads_inside_key(p.v_stride, p.Dv);
+    for (int64_t r = 1; r <= kLanes / 2; ++r) few[r] = make_mode(p, r, !int8 && r <= kMaxDotRows);
     int64_t qt_floats = 0;  // Q grouped for dot_key_block (dot.h's group_rows)
     for (int64_t r = 1; r <= kLanes / 2; ++r) {
       if (few[r].amx_tiles) {  // Qᵀ as whole tiles of pairs
@@ -278,10 +278,14 @@ struct Plan {
     // does too, from V's rows as they lie: half the instructions of the split-bf16 tile's
     // fp32 FMAs, and each V row read once.
     m.pv_bf16 = kDotProducts && ((int8 && !pv_int8) || (bf16_dot && !key_blocks));
-    // Decode's products on AMX tiles: on the Xeon with AMX (P16, one thread) the vdpbf16ps key
-    // blocks took 12.5 ms (bf16) / 19 (fp8) with K and V in L2, the tiles 8.4-9.0 / 14; from
-    // memory 28.5 / 27.6 against 25 / 24 ms (the reads and the products barely overlap there).
-    m.amx_tiles = m.qk_pairs && amx;
+    // Decode's products on AMX tiles where the kv heads are grouped (their blocks read in
+    // address order before the tiles load them, attend_kv_heads): on the Xeon with AMX (P16,
+    // one thread) the vdpbf16ps key blocks took 12.5 ms (bf16) / 19 (fp8) with K and V in L2,
+    // the tiles 8.4-9.0 / 14; from memory 28.5 / 27.6 against 25 / 24 ms (the reads and the
+    // products barely overlap there). One head at a time ([B, H, S, D] K/V), the tile loads'
+    // order (16 rows × 64 bytes at a time) lost the hardware prefetchers: decode Dc took
+    // 4.5 ms on tiles against 3.1-3.7 on vdpbf16ps, the same within cache.
+    m.amx_tiles = m.qk_pairs && amx && group_kv_heads;
     m.pv_row_pairs = key_blocks && bf16_dot && p.Dv % 32 == 0 && !m.amx_tiles;
     const int64_t elems = bf16_dot || m.qk_pairs ? (p.D + 1) / 2 : p.D;  // per Q/K row: fp32, or bf16 pairs
     m.rows_per_vec = rows_per_vector(rows, elems);
