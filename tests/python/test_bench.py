@@ -72,6 +72,20 @@ def test_sparse_mla_rows_name_the_bf16_path(args):
     assert re.search(r"\d% of " + expected, row), row
 
 
+def test_decode_row_names_its_instruction():
+    """Dense decode (Dc: K and V [B, H, S, D], one kv head per task) runs vdpbf16ps on
+    avx512amx too (only decode over kv heads side by side runs on AMX tiles); the row says so."""
+    import re
+
+    import attnkit
+
+    res = run_bench("--shape", "Dc", "--quick", "--threads", "1", "--repeats", "1", "--budget", "1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    row = next(line for line in res.stdout.splitlines() if re.match(r"\s+1\s+attnkit\s", line))
+    expected = "vdpbf16ps" if attnkit.get_isa() in ("avx512bf16", "avx512amx") else "fp32 FMA"
+    assert re.search(r"\d% of " + expected, row), row
+
+
 def test_labels_and_per_instruction_peak():
     """The verify number is labelled, each row names the instruction its % peak is of (a
     bf16 row on vdpbf16ps against that peak, not fp32's), and the protocol it cites is in

@@ -291,7 +291,14 @@ class AttentionOp(BenchOp):
         return replace(s, Sq=sq, Skv=max(1, s.Skv // 4), quick=True)
 
     def peak_of(self, row):
-        return exact_peak_of(row)
+        peak = exact_peak_of(row)
+        s = row.case.shape
+        # avx512amx runs decode's key blocks on tiles only over kv heads side by side (paged,
+        # packed, [B, S, H, D]); this op's K and V are [B, H, S, D], so its decode rows (at
+        # most 8 query rows per kv head: docs/ARCHITECTURE.md) stay on vdpbf16ps.
+        if peak == AMX_BF16 and row.contender.startswith("attnkit") and s.Sq * (s.Hq // s.Hkv) <= 8:
+            return BF16_DOT
+        return peak
 
     def dtypes_for(self, shape, requested):
         if requested is None:
