@@ -109,8 +109,8 @@ bool avx512amx_runnable() {
          os_allows_amx();
 }
 
-// avx512amx: the bf16 tile loop (dense, varlen and paged prefill) and decode's key blocks,
-// sage's Q·Kᵀ (int8) and P·V, the backward's bf16 products, the sparse MLA tile loop (prefill
+// avx512amx: the bf16 tile loop (dense, varlen and paged prefill) and decode over grouped kv
+// heads (paged, packed), sage's Q·Kᵀ (int8) and P·V, the backward's bf16 products, the sparse MLA tile loop (prefill
 // and MLA decode) and the DSA indexer's scores on AMX tiles; every other entry as the best
 // variant without AMX (avx512vnni's on the CPUs of the bf16 rule, which all AMX CPUs so far are, else
 // avx512bf16's).
@@ -269,9 +269,12 @@ std::string isa_rule() {
     const std::string name = v.table->isa;
     if (name == "avx512amx") {
       return name + ": " + describe(id) +
-             " has AMX tiles, so bf16 prefill, decode and backward, sparse MLA and the DSA indexer run their "
+             " has AMX tiles, so bf16 prefill and backward, decode over grouped kv heads (paged caches), "
+             "sparse MLA and the DSA indexer run their "
              "products on tdpbf16ps and int8 Sage its Q·Kᵀ on tdpbusd" +
-             (bf16_dot_slower_than_fma(id) ? "; other bf16 paths as avx512vnni (Intel family 6)" : "");
+             (bf16_dot_slower_than_fma(id)
+                  ? "; its other bf16 decodes on vdpbf16ps, other bf16 ops as avx512vnni (Intel family 6)"
+                  : "");
     }
     if (name == "avx512vnni") {
       return name + ": " + describe(id) +

@@ -116,10 +116,11 @@ def test_avx512vnni_is_avx512_for_bf16_and_avx512bf16_for_int8_sage(rng, restore
 @pytest.mark.skipif("avx512amx" not in attnkit.supported_isas(), reason="needs AMX (and the OS's leave)")
 def test_avx512amx_is_avx512bf16_outside_the_bf16_products(rng, restore_runtime):
     """avx512amx runs bf16 products on AMX tiles (the tile loop, decode's key blocks over kv
-    heads side by side, sage's P·V): fp32 attention is bit-identical to avx512bf16's, whose
-    code it compiles; its bf16 prefill and decode sum the same exact products in another
-    order, so they are checked against float64 (and they are not avx512bf16's: the products
-    did run on the tiles; the fp32 lse shows it where the bf16 outputs round alike)."""
+    heads side by side, sage's P·V): fp32 attention, and bf16 decode one kv head at a time,
+    are bit-identical to avx512bf16's, whose code it compiles; its bf16 prefill and grouped
+    decode sum the same exact products in another order, so they are checked against
+    float64 (and they are not avx512bf16's: the products did run on the tiles; the fp32 lse
+    shows it where the bf16 outputs round alike)."""
     def run(isa_name, *args, **kw):
         attnkit.set_isa(isa_name)
         return attnkit.attention(*args, **kw)
@@ -127,6 +128,10 @@ def test_avx512amx_is_avx512bf16_outside_the_bf16_products(rng, restore_runtime)
     q, k, v = make_qkv(rng, 1, 8, 2, 77, 200, 128, 128, "float32")
     assert_bits_equal(run("avx512amx", q, k, v, causal=True, enable_gqa=True),
                       run("avx512bf16", q, k, v, causal=True, enable_gqa=True), "fp32 amx vs bf16")
+    # bf16 decode one kv head at a time ([B, H, S, D] K and V) stays on vdpbf16ps
+    q, k, v = make_qkv(rng, 2, 8, 2, 1, 300, 128, 128, "bfloat16")
+    assert_bits_equal(run("avx512amx", q, k, v, enable_gqa=True, return_lse=True)[1],
+                      run("avx512bf16", q, k, v, enable_gqa=True, return_lse=True)[1], "bf16 decode lse")
     prefill, decode = ((1, 8, 2, 150, 333, 96, 80), True), ((2, 8, 2, 1, 300, 128, 128), False)
     for shape, causal in [prefill, decode]:
         q, k, v = make_qkv(rng, *shape, "bfloat16")

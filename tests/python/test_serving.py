@@ -132,6 +132,7 @@ PAGED_CASES = [
     ([5, 1, 2], [133, 2100, 2], 64, 4, 1, 16, 24),               # MQA, a long decode (kv splits)
     ([0, 0, 1], [0, 0, 5], 16, 2, 2, 8, 8),                      # sequences with no keys
     ([1, 1, 2], [900, 31, 40], 16, 34, 17, 32, 40),              # decode tasks of 16 kv heads, then 1
+    ([1, 1], [3000, 40], 16, 8, 2, 64, 64),                      # a long decode of 2 kv heads (kv splits)
 ]
 
 
@@ -202,10 +203,11 @@ def test_paged_fp8_decode_bf16_queries(rng, cache_dtype, case, isa):
 @pytest.mark.parametrize("cache_dtype", list(FP8))
 def test_paged_fp8_decode_strided_cache(rng, cache_dtype, isa):
     """A cache whose head dim is strided (every other element): the conversion's scalar path,
-    bit-identical to the vector path on the contiguous cache. One kv head (MQA), so both run
-    one head at a time (kv heads side by side run on AMX tiles on avx512amx, a strided
-    cache's cannot)."""
-    seq_lens, bs, hq, hkv, d = [100, 37], 16, 8, 1, 48
+    bit-identical to the vector path on the contiguous cache. On avx512amx with one kv head
+    (MQA), so both run one head at a time: kv heads side by side run on AMX tiles there, a
+    strided cache's cannot."""
+    seq_lens, bs, hq, d = [100, 37], 16, 8, 48
+    hkv = 1 if isa == "avx512amx" else 2
     kc, vc, table = random_paged_batch(rng, [1, 1], seq_lens, bs, hkv, d, d, cache_dtype)
     wide = np.full(kc.shape[:3] + (2 * d,), np.nan, dtype=kc.dtype)
     wide[..., ::2] = kc

@@ -233,6 +233,7 @@ void AttentionTask<T, TK>::take_scores_amx(const RowBlock& rb, const float* st_t
   const vfloat scale = vbroadcast(rb.scale);
   for (int64_t r = 0; r < rb.rows; ++r) {
     const __m512i index = (__m512i)(keys + static_cast<int>(r));
+    // (the masked form: GCC 12 warns of an uninitialised source inside the plain one)
     const vfloat s = (vfloat)_mm512_mask_i32gather_ps(_mm512_setzero_ps(), 0xFFFF, index, st_t, 4);
     vstore(w.st + r * kDecodeKeys, s * scale);
   }

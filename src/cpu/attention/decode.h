@@ -1,7 +1,8 @@
 // Decode: row blocks of few rows (kLanes / 2 at most) run key blocks of kDecodeKeys keys
 // with row-major scores (keys along the lanes, no padded rows): dot_key_block for Q·Kᵀ,
-// whole-row P·V tiles, K and V read in address order with software prefetch where it
-// pays (PrefetchChooser).
+// whole-row P·V tiles (on avx512amx over grouped kv heads: both products on AMX tiles,
+// bf16_pairs.h), K and V read in address order with software prefetch where it pays
+// (PrefetchChooser).
 #pragma once
 
 #include <algorithm>
@@ -47,8 +48,9 @@ class PrefetchChooser {
 };
 
 // Decode: few rows, so scores are row-major (keys along the lanes, no padded rows), in
-// blocks of kDecodeKeys keys computed kLanes keys at a time. K and V are read in address
-// order (dot_key_block, whole-row P·V tiles), with software prefetch where it pays.
+// blocks of kDecodeKeys keys computed kLanes keys at a time (on AMX tiles a block ahead).
+// K and V are read in address order (dot_key_block, whole-row P·V tiles), with software
+// prefetch where it pays.
 template <DType T, DType TK>
 void AttentionTask<T, TK>::attend_rows(const RowBlock& rb, int64_t begin, int64_t end,
                                        const Workspace& w) const {
@@ -78,10 +80,13 @@ void AttentionTask<T, TK>::scores_ahead(const RowBlock& rb, const KvRows<EK>& kr
   }
 }
 
-// Decode on AMX tiles: the two Sᵀ buffers of the steps in flight, after V's pairs in w.v.
+// Decode on AMX tiles: the two Sᵀ buffers (16 keys × up to kMaxDotRows rows) of the steps in
+// flight, after V's 8 key pairs in w.v (kKvTile rows of dv_pad floats).
 template <DType T, DType TK>
 float* AttentionTask<T, TK>::scores_t(const Workspace& w, int64_t slot) const {
-  return w.v + kDecodeKeys / 2 * plan_.dv_pad + slot * kDecodeKeys * kLanes;
+  static_assert(kDecodeKeys / 2 * kLanes + 2 * kDecodeKeys * kMaxDotRows <= kKvTile * kLanes,
+                "V's pairs and both buffers fit in w.v at the smallest dv_pad");
+  return w.v + kDecodeKeys / 2 * plan_.dv_pad + slot * kDecodeKeys * kMaxDotRows;
 }
 
 // Decode over the row blocks of several kv heads whose K/V rows lie side by side (paged
@@ -183,7 +188,7 @@ void AttentionTask<T, TK>::attend_key_block(const RowBlock& rb, const KvRows<EK>
   rescale_output(rb, w);
   if (p_.dropout_p > 0.0f) apply_dropout(rb, j0, bc, scores);
   // (On AMX tiles the next block's Sᵀ is already under way: the block after it.)
-  if (prefetch) prefetch_rows(krows, j0 + (st_t ? 2 : 1) * kDecodeKeys, end, p_.D);
+  if (prefetch) prefetch_rows(krows, j0 + (rb.mode->amx_tiles ? 2 : 1) * kDecodeKeys, end, p_.D);
   if (rb.mode->amx_tiles) {
     if constexpr (kAmxTiles) pv_rows_amx(rb, vrows, j0, bc, w);
   } else if (rb.mode->pv_row_pairs) {

@@ -157,18 +157,18 @@ struct Plan {
     dv_pad = round_up(p.Dv, kLanes);
     bf16_dot = kDotProducts && !int8 && (bf16_inputs || fp8_pairs);
     v_in_place = p.kv_dtype == DType::float32 && p.v_stride[3] == 1 && p.Dv == dv_pad;
-    tile = make_mode(p, rows, false);
-    // Dense calls whose kv heads serve more than one task's rows: else each V tile is
-    // interleaved into pairs about once anyway.
-    v_pairs = tile.pv_bf16 && !int8 && !p.block_table && !p.kv_begin && p.Sq * p.group > row_target;
-    key_tile = amx && !int8 ? kAmxKvTile : kKvTile;  // sage's K scales are per kKvTile keys
-    k_floats = std::max(kKvTile * d_pad, amx ? rows_pad * key_tile / 2 : 0);
     // Where each key's rows of all kv heads lie within one key stride: paged caches in
     // FlashAttention's layout, packed (varlen) K/V, dense K/V in [B, S, H, D] order.
     auto heads_inside_key = [&](const int64_t* stride, int64_t cols) {
       return stride[1] > 0 && stride[3] == 1 && (p.Hkv - 1) * stride[1] + cols <= stride[2];
     };
     group_kv_heads = p.Hkv > 1 && heads_inside_key(p.k_stride, p.D) && heads_inside_key(p.v_stride, p.Dv);
+    tile = make_mode(p, rows, false);
+    // Dense calls whose kv heads serve more than one task's rows: else each V tile is
+    // interleaved into pairs about once anyway.
+    v_pairs = tile.pv_bf16 && !int8 && !p.block_table && !p.kv_begin && p.Sq * p.group > row_target;
+    key_tile = amx && !int8 ? kAmxKvTile : kKvTile;  // sage's K scales are per kKvTile keys
+    k_floats = std::max(kKvTile * d_pad, amx ? rows_pad * key_tile / 2 : 0);
     for (int64_t r = 1; r <= kLanes / 2; ++r) few[r] = make_mode(p, r, !int8 && r <= kMaxDotRows);
     int64_t qt_floats = 0;  // Q grouped for dot_key_block (dot.h's group_rows)
     for (int64_t r = 1; r <= kLanes / 2; ++r) {
