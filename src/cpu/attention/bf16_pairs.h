@@ -30,10 +30,7 @@ void AttentionTask<T, TK>::pack_qt_pairs(const RowBlock& rb, const Workspace& w)
   const int64_t pairs = (p_.D + 1) / 2, lds = round_up(pairs, kLanes);
   uint32_t* rows = reinterpret_cast<uint32_t*>(w.k);
   std::memset(rows, 0, sizeof(uint32_t) * plan_.rows_pad * lds);
-  for (int64_t r = 0; r < rb.rows; ++r) {
-    pack_pairs(reinterpret_cast<const uint16_t*>(q_row(rb, r)), p_.q_stride[3],
-               rows + r * lds);  // E is bf16 here
-  }
+  pair_q_rows(rb, lds, rows);
   transpose_matrix(w.k, lds, plan_.rows_pad, lds, w.qt, plan_.rows_pad);
 }
 
@@ -196,10 +193,7 @@ void AttentionTask<T, TK>::start_rows_amx(const RowBlock& rb, const Workspace& w
   const int64_t pairs = (p_.D + 1) / 2, kp = round_up(pairs, kAmxTile);
   uint32_t* rows = reinterpret_cast<uint32_t*>(w.k);
   uint32_t* qt = reinterpret_cast<uint32_t*>(w.qt);
-  for (int64_t r = 0; r < rb.rows; ++r) {
-    pack_pairs(reinterpret_cast<const uint16_t*>(q_row(rb, r)), p_.q_stride[3],
-               rows + r * pairs);  // E is bf16 here
-  }
+  pair_q_rows(rb, pairs, rows);
   for (int64_t q = 0; q < kp; ++q) {
     for (int64_t r = 0; r < rb.rows; ++r) qt[q * rb.rows + r] = q < pairs ? rows[r * pairs + q] : 0u;
   }
@@ -247,10 +241,7 @@ void AttentionTask<T, TK>::pv_rows_amx(const RowBlock& rb, const KvRows<EK>& vro
                                        const Workspace& w) const {
   constexpr int64_t kPairs = kDecodeKeys / 2;
   const int64_t dv_pad = plan_.dv_pad, pairs = (bc + 1) / 2;
-  uint32_t* pp = reinterpret_cast<uint32_t*>(w.st);
-  for (int64_t r = 0; r < rb.rows; ++r) {
-    pair_values_bf16(w.st + r * kDecodeKeys, kDecodeKeys, pp + r * kDecodeKeys);
-  }
+  const uint32_t* pp = pair_score_rows(rb, w);
   uint32_t* vp = reinterpret_cast<uint32_t*>(w.v);
   interleave_v_tile(vrows, j0, bc, vp, w);
   std::memset(vp + pairs * dv_pad, 0, sizeof(uint32_t) * (kPairs - pairs) * dv_pad);
@@ -276,10 +267,7 @@ template <DType T, DType TK>
 void AttentionTask<T, TK>::pack_q_row_pairs(const RowBlock& rb, const Workspace& w) const {
   const int64_t pairs = (p_.D + 1) / 2;
   uint32_t* rows = reinterpret_cast<uint32_t*>(w.k);  // free until the first key block
-  for (int64_t r = 0; r < rb.rows; ++r) {
-    pack_pairs(reinterpret_cast<const uint16_t*>(q_row(rb, r)), p_.q_stride[3],
-               rows + r * pairs);  // E is bf16 here
-  }
+  pair_q_rows(rb, pairs, rows);
   group_rows(rb.mode->rows_per_vec, rb.rows, pairs, rows, pairs, rb.mode->chunks,
              reinterpret_cast<uint32_t*>(w.qt));
 }
@@ -315,8 +303,7 @@ template <DType T, DType TK>
 void AttentionTask<T, TK>::pv_row_pairs(const RowBlock& rb, const KvRows<EK>& vrows, int64_t j0, int64_t bc,
                                         const Workspace& w) const {
   const int64_t lds = kDecodeKeys;
-  uint32_t* pp = reinterpret_cast<uint32_t*>(w.st);
-  for (int64_t r = 0; r < rb.rows; ++r) pair_values_bf16(w.st + r * lds, lds, pp + r * lds);
+  const uint32_t* pp = pair_score_rows(rb, w);
   const uint16_t* v;
   int64_t ldv;
   if (sizeof(EK) == 2 && bc % 2 == 0 && p_.v_stride[3] == 1 && vrows.run_end(j0, j0 + bc) == j0 + bc) {
@@ -329,6 +316,25 @@ void AttentionTask<T, TK>::pv_row_pairs(const RowBlock& rb, const KvRows<EK>& vr
   }
   gemm_bf16_row_pairs<kRowPairRows, kRowPairVecs>(rb.rows, p_.Dv, (bc + 1) / 2, pp, lds, v, ldv, w.o,
                                                   plan_.dv_pad, true);
+}
+
+// The block's Q rows as bf16 pairs, unscaled: row r at rows + r * ld.
+template <DType T, DType TK>
+void AttentionTask<T, TK>::pair_q_rows(const RowBlock& rb, int64_t ld, uint32_t* rows) const {
+  for (int64_t r = 0; r < rb.rows; ++r) {
+    pack_pairs(reinterpret_cast<const uint16_t*>(q_row(rb, r)), p_.q_stride[3], rows + r * ld);  // E is bf16
+  }
+}
+
+// Decode: P (row-major in w.st) rounded to bf16 and paired in place, row r's pairs at the start
+// of its row (keys past the block's end have P = 0).
+template <DType T, DType TK>
+const uint32_t* AttentionTask<T, TK>::pair_score_rows(const RowBlock& rb, const Workspace& w) const {
+  uint32_t* pp = reinterpret_cast<uint32_t*>(w.st);
+  for (int64_t r = 0; r < rb.rows; ++r) {
+    pair_values_bf16(w.st + r * kDecodeKeys, kDecodeKeys, pp + r * kDecodeKeys);
+  }
+  return pp;
 }
 
 // D elements at src (stride `stride`) as bf16 pairs; odd D ends with a zero.

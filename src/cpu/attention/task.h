@@ -243,6 +243,8 @@ class AttentionTask {
 #if defined(ATTNKIT_ISA_avx512bf16)
   static uint32_t pair(uint16_t lo, uint16_t hi);
   void pack_pairs(const uint16_t* src, int64_t stride, uint32_t* dst) const;
+  void pair_q_rows(const RowBlock& rb, int64_t ld, uint32_t* rows) const;
+  const uint32_t* pair_score_rows(const RowBlock& rb, const Workspace& w) const;
   uint32_t* pack_key_pairs(const KvRows<EK>& krows, int64_t j0, int64_t n, int64_t ld,
                            const Workspace& w) const;
   uint32_t* pack_fp8_key_pairs(const KvRows<EK>& krows, int64_t j0, int64_t n, int64_t ld,
