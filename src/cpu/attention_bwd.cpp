@@ -13,13 +13,16 @@
 // count. Dropout regenerates the forward's keep mask (detail::dropout_bits per 4 keys). All
 // products run on the shared gemm tiles; for bf16 inputs on avx512bf16 all five run on bf16
 // pairs (vdpbf16ps): S and dP exactly (products of the bf16 inputs), dV, dK and dQ with P
-// and dS rounded to bf16 (as the forward rounds P for P·V, and FlashAttention does).
-// Compiled once per ISA.
+// and dS rounded to bf16 (as the forward rounds P for P·V, and FlashAttention does). On
+// avx512amx they run on AMX tiles, dV and dK as their transposes dVᵀ += dOᵀ·P and dKᵀ +=
+// Qᵀ·dS, so that P and dS (made in query-row pairs) and Qᵀ, dOᵀ (made once, in pass 1) are
+// tile operands as they are. Compiled once per ISA.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -46,35 +49,35 @@ namespace {
 // ~5-10% faster at shape A; the key block's state (~0.7 MiB) stays in L2.
 constexpr int64_t kKeyBlock = 192;
 constexpr int64_t kRowBlock = 96;
+constexpr int64_t kScoreRows = 32;  // rows of S and dP made and consumed at a time (even)
 
+// Query-row pairs per slab of Qᵀ and dOᵀ (AMX tiles: one tile's depth), so row blocks start
+// at multiples of 2 · kSlabPairs rows there.
+constexpr int64_t kSlabPairs = 16;
 constexpr int64_t kMinTasks = 16;  // fewer (batch, kv head) pairs than this: split the keys
 #if defined(ATTNKIT_ISA_avx512bf16)
 constexpr bool kDotProducts = true;  // vdpbf16ps
 #else
 constexpr bool kDotProducts = false;
 #endif
+#if defined(ATTNKIT_ISA_avx512amx)
+constexpr bool kAmx = true;  // tdpbf16ps
+static_assert(kSlabPairs == kAmxTile);
+#else
+constexpr bool kAmx = false;
+#endif
 
 // gemm_bf16 where the ISA has it (callers use it only when kDotProducts). On avx512amx the
-// whole tiles of rows go to AMX tiles where n and the pairs fill whole tiles: A read in place
-// when its pairs are contiguous (S, dP, dQ), else (A given transposed, a_step != 1: dV, dK)
-// transposed first into a per-thread buffer (about 6% of the product's time); the last
-// rows, and shapes that are not whole tiles, stay on gemm_bf16.
+// whole tiles of rows go to AMX tiles where A's pairs are contiguous (a_step 1) and n and
+// the pairs fill whole tiles; the last rows, and other shapes, stay on gemm_bf16.
 template <int MR, int NV>
 void gemm_pairs(int64_t m, int64_t n, int64_t pairs, const uint32_t* a, int64_t lda, int64_t a_step,
                 const uint32_t* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
 #if defined(ATTNKIT_ISA_avx512amx)
   const int64_t whole = m / kAmxTile * kAmxTile;
-  if (whole > 0 && n % kAmxTile == 0 && pairs % kAmxTile == 0 && (a_step == 1 || lda == 1)) {
+  if (whole > 0 && n % kAmxTile == 0 && pairs % kAmxTile == 0 && a_step == 1) {
     amx_configure();
-    if (a_step == 1) {
-      gemm_amx_bf16(whole, n, pairs, a, lda, b, ldb, c, ldc, accumulate);
-    } else {  // a(i, p) = a[i + p * a_step]: rows of A are its columns
-      thread_local std::vector<uint32_t> rows;
-      if (static_cast<int64_t>(rows.size()) < whole * pairs) rows.resize(whole * pairs);
-      transpose_matrix(reinterpret_cast<const float*>(a), a_step, pairs, whole, reinterpret_cast<float*>(rows.data()),
-                       pairs);
-      gemm_amx_bf16(whole, n, pairs, rows.data(), pairs, b, ldb, c, ldc, accumulate);
-    }
+    gemm_amx_bf16(whole, n, pairs, a, lda, b, ldb, c, ldc, accumulate);
     if (whole == m) return;
     a += whole * lda, c += whole * ldc, m -= whole;
   }
@@ -90,12 +93,16 @@ void gemm_pairs(int64_t m, int64_t n, int64_t pairs, const uint32_t* a, int64_t 
 // How the keys split into tasks, the per-thread workspace and the per-head prepared data.
 struct BackwardPlan {
   bool pairs;  // bf16 pairs for every product
+  // On AMX tiles (pairs on avx512amx), dVᵀ and dKᵀ are accumulated (A = dOᵀ and Qᵀ in slabs);
+  // else dV and dK (B = dO and Q in query-row pairs).
+  bool tiles;
   bool q_in_place, dout_in_place;
   std::vector<int64_t> dq_offset;  // split s's partial dQ rows start at dq_offset[s] floats
-  int64_t key_blocks, splits, blocks_per_split, tasks, d_pad, dv_pad, d_pairs, dv_pairs, rows16, row_pairs;
+  int64_t key_blocks, splits, blocks_per_split, tasks, d_pad, dv_pad, d_pairs, dv_pairs, rows16;
+  int64_t row_pairs_pad, row_align;
   int64_t workspace_floats, prepared_floats;
 
-  BackwardPlan(const AttentionBackwardParams& bp, bool use_pairs) : pairs(use_pairs) {
+  BackwardPlan(const AttentionBackwardParams& bp, bool use_pairs) : pairs(use_pairs), tiles(use_pairs && kAmx) {
     const AttentionParams& p = bp.fwd;
     key_blocks = (p.Skv + kKeyBlock - 1) / kKeyBlock;
     const int64_t heads = p.B * p.Hkv;
@@ -108,15 +115,17 @@ struct BackwardPlan {
     dv_pad = round_up(p.Dv, kLanes);
     d_pairs = (p.D + 1) / 2, dv_pairs = (p.Dv + 1) / 2;
     rows16 = round_up(p.Sq, 16);
-    row_pairs = (p.Sq + 1) / 2;
+    row_pairs_pad = round_up((p.Sq + 1) / 2, tiles ? kSlabPairs : 1);
+    row_align = tiles ? 2 * kSlabPairs : 2;
     const int64_t blk = kKeyBlock * (d_pad + dv_pad);
     workspace_floats = blk                  // K, V rows
                        + blk                // Kᵀ, Vᵀ
-                       + blk                // dK, dV accumulators
+                       + blk                // dK, dV accumulators (with tiles dKᵀ, dVᵀ)
                        + blk                // bf16 pairs: Kᵀ, Vᵀ along D (Dv); K rows in key pairs
                        + 6 * kRowBlock * kKeyBlock  // E, dP then dS, dropped P, tanh, row pairs of P and dS
                        + kRowBlock * kKeyBlock / 2  // dS pairs along the keys
-                       + 2 * (d_pad + dv_pad) + dv_pad;  // two Q and dO rows being packed, an O row
+                       + 2 * dv_pad                     // a dO row and an O row
+                       + kSlabPairs * (d_pad + dv_pad);  // a slab of Q's and dO's row pairs
     // Q and dO are read in place where they already have a gemm's layout: bf16 pairs along D
     // (contiguous rows of even length), or fp32 rows of whole vectors.
     auto in_place = [&](const int64_t* stride, int64_t n) {
@@ -126,7 +135,8 @@ struct BackwardPlan {
     q_in_place = in_place(p.q_stride, p.D), dout_in_place = in_place(bp.dout_stride, p.Dv);
     const int64_t q_floats = q_in_place ? 0 : p.Sq * (pairs ? d_pairs : d_pad);
     const int64_t dout_floats = dout_in_place ? 0 : p.Sq * (pairs ? dv_pairs : dv_pad);
-    prepared_floats = 3 * rows16 + round_up(q_floats + dout_floats + (pairs ? row_pairs * (d_pad + dv_pad) : 0), 16);
+    const int64_t row_pairs_floats = pairs ? row_pairs_pad * (d_pad + dv_pad) : 0;
+    prepared_floats = 3 * rows16 + round_up(q_floats + dout_floats + row_pairs_floats, 16);
     // Split s writes dQ rows from first_row(s) on (causal: the later key blocks' queries).
     dq_offset.resize(splits + 1);
     dq_offset[0] = 0;
@@ -134,14 +144,14 @@ struct BackwardPlan {
   }
 
   // The query rows [first, end) that can see some key of j0 .. j0+bc-1 (the causal limit and
-  // the window), rounded out to even rows (query-row pairs start there).
-  static std::pair<int64_t, int64_t> rows_of(const AttentionParams& p, int64_t j0, int64_t bc) {
+  // the window), first rounded down to row_align (query-row pairs, or slabs, start there).
+  std::pair<int64_t, int64_t> rows_of(const AttentionParams& p, int64_t j0, int64_t bc) const {
     int64_t first = 0, end = p.Sq;
     // Aligned query a = i + offset sees keys up to a (causal) or a + window_right.
     if (p.causal) first = j0 - p.causal_offset;
     else if (p.window_right >= 0) first = j0 - p.window_right - p.causal_offset;
     if (p.window_left >= 0) end = std::min(end, round_up(j0 + bc + p.window_left - p.causal_offset, 2));
-    first = std::clamp<int64_t>(first, 0, p.Sq) / 2 * 2;
+    first = std::clamp<int64_t>(first, 0, p.Sq) / row_align * row_align;
     return {first, std::max(first, end)};
   }
   int64_t first_row(const AttentionParams& p, int64_t split) const {
@@ -151,6 +161,7 @@ struct BackwardPlan {
 
 struct BackwardWorkspace {
   float *k, *v, *kt, *vt, *dk, *dv, *e, *ds, *pd, *t, *pack;
+  uint32_t* slab;                          // kSlabPairs row pairs of Q, then of dO, being transposed
   uint32_t *kt_pairs, *vt_pairs, *k_rows;  // pairs along D (Dv) of Kᵀ (Vᵀ); key pairs of K
   uint32_t *p_rows, *ds_rows;              // query-row pairs of P and dS
   uint16_t* ds_keys;                       // dS in bf16: pairs along the keys
@@ -164,6 +175,7 @@ struct BackwardWorkspace {
     p_rows = reinterpret_cast<uint32_t*>(t + rb * kb), ds_rows = p_rows + rb * kb;
     ds_keys = reinterpret_cast<uint16_t*>(ds_rows + rb * kb);
     pack = reinterpret_cast<float*>(ds_keys + rb * kb);
+    slab = reinterpret_cast<uint32_t*>(pack + 2 * dvp);
   }
 };
 
@@ -173,7 +185,10 @@ struct PreparedHead {
   const float* q;                        // fp32 rows [Sq][q_ld], q_ld >= d_pad, in place or packed
   const float* dout;                     // [Sq][dout_ld]
   const uint32_t *q_pairs, *dout_pairs;  // bf16 pairs along D (Dv), rows q_ld (dout_ld) pairs apart
-  uint32_t *q_rows, *dout_rows;          // query-row pairs [(Sq + 1) / 2][d_pad], [..][dv_pad]
+  // Q and dO in query-row pairs (element (i, c) pairs rows 2i and 2i + 1 of column c): rows
+  // [row_pairs_pad][d_pad] ([..][dv_pad]), dK's and dV's B operands; with tiles, Qᵀ and dOᵀ
+  // in slabs of kSlabPairs row pairs, each [d_pad][kSlabPairs], dKᵀ's and dVᵀ's A operands.
+  uint32_t *q_row_pairs, *dout_row_pairs;
   int64_t q_ld, dout_ld;
   // The head's packed Q and dO (null where read in place).
   float* q_packed = nullptr;
@@ -197,7 +212,7 @@ struct PreparedHead {
       dout = dout_packed = rest, dout_ld = dout_width, rest += p.Sq * dout_width;
     }
     q_pairs = reinterpret_cast<const uint32_t*>(q), dout_pairs = reinterpret_cast<const uint32_t*>(dout);
-    q_rows = reinterpret_cast<uint32_t*>(rest), dout_rows = q_rows + plan.row_pairs * plan.d_pad;
+    q_row_pairs = reinterpret_cast<uint32_t*>(rest), dout_row_pairs = q_row_pairs + plan.row_pairs_pad * plan.d_pad;
   }
 };
 
@@ -216,16 +231,14 @@ class Backward {
     const int64_t b = bh / p_.Hq, h = bh % p_.Hq;
     const PreparedHead ph = head(b, h);
     const BackwardWorkspace w(workspace, plan_);
-    float* q_row = w.pack;                  // two rows of d_pad
-    float* dout_row = w.pack + 2 * plan_.d_pad;  // two rows of dv_pad
+    float* g = w.pack;                   // the dO row
+    float* o = w.pack + plan_.dv_pad;    // the O row
     const E* q = static_cast<const E*>(p_.q) + b * p_.q_stride[0] + h * p_.q_stride[1];
     const E* dout = static_cast<const E*>(bp_.dout) + b * bp_.dout_stride[0] + h * bp_.dout_stride[1];
     const E* out = static_cast<const E*>(p_.out) + b * p_.out_stride[0] + h * p_.out_stride[1];
     const float sink = p_.sinks ? p_.sinks[h * p_.sinks_stride] : 0.0f;
     double dsink = 0.0;
     for (int64_t i = 0; i < p_.Sq; ++i) {
-      float* g = dout_row + (i % 2) * plan_.dv_pad;
-      float* o = w.pack + 2 * (plan_.d_pad + plan_.dv_pad);  // the O row
       load_row<T>(dout + i * bp_.dout_stride[2], bp_.dout_stride[3], p_.Dv, 1.0f, g);
       std::memset(g + p_.Dv, 0, sizeof(float) * (plan_.dv_pad - p_.Dv));
       load_row<T>(out + i * p_.out_stride[2], p_.out_stride[3], p_.Dv, 1.0f, o);
@@ -256,14 +269,7 @@ class Backward {
           pair_rows(dout + i * bp_.dout_stride[2], bp_.dout_stride[2], bp_.dout_stride[3], 1, p_.Dv,
                     reinterpret_cast<uint32_t*>(ph.dout_packed) + i * plan_.dv_pairs);
         }
-        float* qr = q_row + (i % 2) * plan_.d_pad;
-        load_row<T>(q + i * p_.q_stride[2], p_.q_stride[3], p_.D, 1.0f, qr);
-        std::memset(qr + p_.D, 0, sizeof(float) * (plan_.d_pad - p_.D));
-        if (i % 2 == 1 || i == p_.Sq - 1) {  // exact: the values are bf16 already
-          const int64_t n = i % 2 + 1;
-          pair_rows_bf16(q_row, n, plan_.d_pad, ph.q_rows + i / 2 * plan_.d_pad);
-          pair_rows_bf16(dout_row, n, plan_.dv_pad, ph.dout_rows + i / 2 * plan_.dv_pad);
-        }
+        if (i % 2 == 1 || i == p_.Sq - 1) pair_query_rows(ph, q, dout, i / 2, w);
       } else {
         if (ph.q_packed) {
           load_row<T>(q + i * p_.q_stride[2], p_.q_stride[3], p_.D, 1.0f, ph.q_packed + i * plan_.d_pad);
@@ -273,6 +279,32 @@ class Backward {
       }
     }
     if (dsink_partial_) dsink_partial_[bh] = static_cast<float>(dsink);
+  }
+
+  // Row pair rp of Q and dO (rows 2rp and 2rp + 1, or 2rp and zeros) into the head's query-row
+  // pairs: straight into their rows, or with tiles, into the slab being built, transposed into
+  // place once whole (or at the last row pair, zero-padded).
+  void pair_query_rows(const PreparedHead& ph, const E* q, const E* dout, int64_t rp,
+                       const BackwardWorkspace& w) const {
+    if constexpr (T == DType::bfloat16) {
+      const int64_t dp = plan_.d_pad, dvp = plan_.dv_pad, at = rp % kSlabPairs;
+      const bool second = 2 * rp + 1 < p_.Sq, last = 2 * rp + 2 >= p_.Sq;
+      const E* q0 = q + 2 * rp * p_.q_stride[2];
+      const E* dout0 = dout + 2 * rp * bp_.dout_stride[2];
+      uint32_t* q_dst = plan_.tiles ? w.slab + at * dp : ph.q_row_pairs + rp * dp;
+      uint32_t* dout_dst = plan_.tiles ? w.slab + kSlabPairs * dp + at * dvp : ph.dout_row_pairs + rp * dvp;
+      interleave_bf16_rows(q0, second ? q0 + p_.q_stride[2] : nullptr, p_.q_stride[3], p_.D, dp, q_dst);
+      interleave_bf16_rows(dout0, second ? dout0 + bp_.dout_stride[2] : nullptr, bp_.dout_stride[3], p_.Dv, dvp,
+                           dout_dst);
+      if (!plan_.tiles || (at < kSlabPairs - 1 && !last)) return;
+      std::memset(q_dst + dp, 0, sizeof(uint32_t) * (kSlabPairs - 1 - at) * dp);
+      std::memset(dout_dst + dvp, 0, sizeof(uint32_t) * (kSlabPairs - 1 - at) * dvp);
+      const int64_t slab = rp / kSlabPairs;
+      transpose_matrix(reinterpret_cast<const float*>(w.slab), dp, kSlabPairs, dp,
+                       reinterpret_cast<float*>(ph.q_row_pairs + slab * kSlabPairs * dp), kSlabPairs);
+      transpose_matrix(reinterpret_cast<const float*>(w.slab + kSlabPairs * dp), dvp, kSlabPairs, dvp,
+                       reinterpret_cast<float*>(ph.dout_row_pairs + slab * kSlabPairs * dvp), kSlabPairs);
+    }
   }
 
   // Pass 2, task t: key blocks of split t % splits of (batch, kv head) t / splits.
@@ -293,15 +325,22 @@ class Backward {
       const int64_t j0 = kb * kKeyBlock, bc = std::min(kKeyBlock, p_.Skv - j0);
       pack_kv(b, kvh, j0, bc, w);
       std::memset(w.dk, 0, sizeof(float) * kKeyBlock * (plan_.d_pad + plan_.dv_pad));  // dK and dV
-      const auto [i_begin, i_end] = BackwardPlan::rows_of(p_, j0, bc);
+      const auto [i_begin, i_end] = plan_.rows_of(p_, j0, bc);
       for (int64_t h = kvh * p_.group; h < (kvh + 1) * p_.group; ++h) {
         const PreparedHead ph = head(b, h);
         for (int64_t i0 = i_begin; i0 < i_end; i0 += kRowBlock) {
           block(b, h, ph, i0, std::min(kRowBlock, i_end - i0), j0, bc, dq_row(split, b, h, i0), w);
         }
       }
-      store_rows(w.dk, plan_.d_pad, p_.D, p_.scale, static_cast<E*>(bp_.dk), bp_.dk_stride, b, kvh, j0, bc);
-      store_rows(w.dv, plan_.dv_pad, p_.Dv, 1.0f, static_cast<E*>(bp_.dv), bp_.dv_stride, b, kvh, j0, bc);
+      const float* dk = w.dk;
+      const float* dv = w.dv;
+      if (plan_.tiles) {  // dKᵀ and dVᵀ back to rows, into K's and V's fp32 rows (done with)
+        transpose_matrix(w.dk, kKeyBlock, plan_.d_pad, kKeyBlock, w.k, plan_.d_pad);
+        transpose_matrix(w.dv, kKeyBlock, plan_.dv_pad, kKeyBlock, w.v, plan_.dv_pad);
+        dk = w.k, dv = w.v;
+      }
+      store_rows(dk, plan_.d_pad, p_.D, p_.scale, static_cast<E*>(bp_.dk), bp_.dk_stride, b, kvh, j0, bc);
+      store_rows(dv, plan_.dv_pad, p_.Dv, 1.0f, static_cast<E*>(bp_.dv), bp_.dv_stride, b, kvh, j0, bc);
     }
   }
 
@@ -393,14 +432,14 @@ class Backward {
   // Q·Kᵀ·scale with the modifiers and masks: 0 where masked, past the block, or in rows that
   // saw no key (lse = -inf; their output was 0). With the soft-cap, w.t keeps tanh(s / cap)
   // for its derivative.
-  void scores(int64_t b, int64_t h, const PreparedHead& ph, int64_t i0, int64_t nr, int64_t j0, int64_t bc,
-              int64_t nk, const BackwardWorkspace& w) const {
+  void scores(int64_t b, int64_t h, const PreparedHead& ph, int64_t i0, int64_t r_begin, int64_t r_end, int64_t j0,
+              int64_t bc, int64_t nk, const BackwardWorkspace& w) const {
     const float softcap = p_.softcap;
     const float slope = p_.alibi_slopes ? p_.alibi_slopes[b * p_.alibi_stride[0] + h * p_.alibi_stride[1]] : 0.0f;
     const vfloat scale = vbroadcast(p_.scale), cap = vbroadcast(softcap), inv_cap = vbroadcast(1.0f / softcap);
     vfloat lane{};
     for (int l = 0; l < kLanes; ++l) lane[l] = static_cast<float>(l);
-    for (int64_t r = 0; r < nr; ++r) {
+    for (int64_t r = r_begin; r < r_end; ++r) {
       float* s = w.e + r * kKeyBlock;
       const int64_t i = i0 + r, a = i + p_.causal_offset;  // the aligned query position
       const float lse = ph.lse[i];
@@ -409,12 +448,15 @@ class Backward {
         if (softcap != 0.0f) std::memset(w.t + r * kKeyBlock, 0, sizeof(float) * nk);
         continue;
       }
-      // Keys j0 + [lo, hi) pass the causal limit and the window.
-      int64_t lo = 0, hi = bc;
-      if (p_.causal) hi = std::min(hi, a - j0 + 1);
-      if (p_.window_right >= 0) hi = std::min(hi, a + p_.window_right - j0 + 1);
-      if (p_.window_left >= 0) lo = std::max(lo, a - p_.window_left - j0);
-      hi = std::max<int64_t>(hi, 0), lo = std::min(lo, hi);
+      const auto [lo, hi] = visible_keys(a, j0, bc);
+      if (softcap == 0.0f && !p_.alibi_slopes && !p_.mask) {  // one pass
+        const vfloat scale_log2e = vbroadcast(p_.scale * kLog2e), neg_lse_log2e = vbroadcast(lse * -kLog2e);
+        for (int64_t jj = 0; jj < nk; jj += kLanes) {
+          const vfloat key = lane + static_cast<float>(jj);
+          vstore(s + jj, visible_exp(vload(s + jj), scale_log2e, neg_lse_log2e, key, lo, hi));
+        }
+        continue;
+      }
       const vfloat vlse = vbroadcast(lse), dist0 = vbroadcast(static_cast<float>(a - j0)) - lane;
       for (int64_t jj = 0; jj < nk; jj += kLanes) {
         vfloat x = vload(s + jj) * scale;
@@ -437,6 +479,25 @@ class Backward {
     }
   }
 
+  // Keys j0 + [lo, hi) of the block of bc keys that pass the causal limit and the window for
+  // the aligned query position a.
+  std::pair<int64_t, int64_t> visible_keys(int64_t a, int64_t j0, int64_t bc) const {
+    int64_t lo = 0, hi = bc;
+    if (p_.causal) hi = std::min(hi, a - j0 + 1);
+    if (p_.window_right >= 0) hi = std::min(hi, a + p_.window_right - j0 + 1);
+    if (p_.window_left >= 0) lo = std::max(lo, a - p_.window_left - j0);
+    hi = std::max<int64_t>(hi, 0), lo = std::min(lo, hi);
+    return {lo, hi};
+  }
+
+  // E = 2^(S·scale·log2e - lse·log2e) = e^(S·scale - lse) for the keys (block offsets `key`,
+  // lanes) in [lo, hi); 0 elsewhere (also where S is NaN there: never read for them).
+  static vfloat visible_exp(vfloat s, vfloat scale_log2e, vfloat neg_lse_log2e, vfloat key, int64_t lo,
+                            int64_t hi) {
+    const vint seen = key >= static_cast<float>(lo) && key < static_cast<float>(hi);
+    return (vfloat)((vint)vexp2(s * scale_log2e + neg_lse_log2e) & seen);
+  }
+
   // One query block (head h, rows i0 .. i0+nr-1) against one key block (keys j0 .. j0+bc-1).
   void block(int64_t b, int64_t h, const PreparedHead& ph, int64_t i0, int64_t nr, int64_t j0, int64_t bc,
              float* dq_part, const BackwardWorkspace& w) const {
@@ -449,31 +510,88 @@ class Backward {
     if (p_.window_right >= 0) nk = std::min(nk, a_last + p_.window_right - j0 + 1);
     if (nk <= 0) return;
     const int64_t nk_pad = round_up(nk, kLanes);
-    // S = Q·Kᵀ and dP = dO·Vᵀ
-    if (plan_.pairs) {
-      gemm_pairs<kWideRows, kWideVecs>(nr, nk_pad, plan_.d_pairs, ph.q_pairs + i0 * ph.q_ld,
-                                       ph.q_ld, 1, w.kt_pairs, kKeyBlock, w.e, kKeyBlock, false);
-      gemm_pairs<kWideRows, kWideVecs>(nr, nk_pad, plan_.dv_pairs, ph.dout_pairs + i0 * ph.dout_ld,
-                                       ph.dout_ld, 1, w.vt_pairs, kKeyBlock, w.ds, kKeyBlock, false);
-    } else {
-      gemm<kWideRows, kWideVecs>(nr, nk_pad, p_.D, ph.q + i0 * ph.q_ld, ph.q_ld, 1, w.kt, kKeyBlock, w.e, kKeyBlock,
-                                 false);
-      gemm<kWideRows, kWideVecs>(nr, nk_pad, p_.Dv, ph.dout + i0 * ph.dout_ld, ph.dout_ld, 1, w.vt, kKeyBlock, w.ds,
-                                 kKeyBlock, false);
-    }
-    scores(b, h, ph, i0, nr, j0, bc, nk_pad, w);
-
-    // P = f·E, dS = E∘(f·dP - c) (dropout: P and dP times keep/(1-p)), times the
-    // soft-cap's derivative 1 - tanh², by pairs of rows. With bf16 pairs they go straight to
-    // the three products' operands: P and dS in query-row pairs (dV, dK), dS in bf16 rows
-    // (dQ, key pairs along them); else dS (and, with sinks, f·P) as fp32 rows.
     const bool dropout = p_.dropout_p > 0.0f;
-    if (dropout) apply_dropout(b, h, i0, nr, j0, nk_pad, w);
-    const bool sinks = p_.sinks != nullptr, softcap = p_.softcap != 0.0f;
-    const float* p = (dropout || sinks) ? w.pd : w.e;
+    const bool plain = plan_.pairs && !dropout && !p_.sinks && p_.softcap == 0.0f && !p_.alibi_slopes && !p_.mask;
+    // S, dP, P and dS kScoreRows rows at a time, so that the products' S and dP are still in
+    // L1 when the vector code reads them.
+    for (int64_t r0 = 0; r0 < nr; r0 += kScoreRows) {
+      const int64_t r1 = std::min(nr, r0 + kScoreRows);
+      // S = Q·Kᵀ and dP = dO·Vᵀ
+      float* s = w.e + r0 * kKeyBlock;
+      float* dprob = w.ds + r0 * kKeyBlock;
+      if (plan_.pairs) {
+        gemm_pairs<kWideRows, kWideVecs>(r1 - r0, nk_pad, plan_.d_pairs, ph.q_pairs + (i0 + r0) * ph.q_ld, ph.q_ld,
+                                         1, w.kt_pairs, kKeyBlock, s, kKeyBlock, false);
+        gemm_pairs<kWideRows, kWideVecs>(r1 - r0, nk_pad, plan_.dv_pairs, ph.dout_pairs + (i0 + r0) * ph.dout_ld,
+                                         ph.dout_ld, 1, w.vt_pairs, kKeyBlock, dprob, kKeyBlock, false);
+      } else {
+        gemm<kWideRows, kWideVecs>(r1 - r0, nk_pad, p_.D, ph.q + (i0 + r0) * ph.q_ld, ph.q_ld, 1, w.kt, kKeyBlock, s,
+                                   kKeyBlock, false);
+        gemm<kWideRows, kWideVecs>(r1 - r0, nk_pad, p_.Dv, ph.dout + (i0 + r0) * ph.dout_ld, ph.dout_ld, 1, w.vt,
+                                   kKeyBlock, dprob, kKeyBlock, false);
+      }
+      if (plain) {
+        p_and_ds_plain(ph, i0, r0, r1, j0, bc, nk_pad, w);
+      } else {
+        scores(b, h, ph, i0, r0, r1, j0, bc, nk_pad, w);
+        if (dropout) apply_dropout(b, h, i0, r0, r1, j0, nk_pad, w);
+        p_and_ds(ph, i0, r0, r1, nk_pad, w);
+      }
+    }
+
+    // dV += Pᵀ·dO (with tiles dVᵀ += dOᵀ·P), dK += dSᵀ·Q (dKᵀ += Qᵀ·dS) and dQ += dS·K (the
+    // last two times scale when stored).
+    if (!plan_.pairs) {
+      const float* p = (dropout || p_.sinks) ? w.pd : w.e;
+      gemm<kTallRows, kTallVecs>(nk, dvp, nr, p, 1, kKeyBlock, ph.dout + i0 * ph.dout_ld, ph.dout_ld, w.dv, dvp, true);
+      gemm<kTallRows, kTallVecs>(nk, dp, nr, w.ds, 1, kKeyBlock, ph.q + i0 * ph.q_ld, ph.q_ld, w.dk, dp, true);
+      gemm<kTallRows, kTallVecs>(nr, dp, nk, w.ds, kKeyBlock, 1, w.k, dp, dq_part, dp, true);
+      return;
+    }
+    if (plan_.tiles) {
+#if defined(ATTNKIT_ISA_avx512amx)
+      transposed_grads_on_tiles(ph, i0, nr_pairs, nk_pad, w);
+#endif
+    } else {
+      gemm_pairs<kTallRows, kTallVecs>(nk, dvp, nr_pairs, w.p_rows, 1, kKeyBlock, ph.dout_row_pairs + i0 / 2 * dvp,
+                                       dvp, w.dv, dvp, true);
+      gemm_pairs<kTallRows, kTallVecs>(nk, dp, nr_pairs, w.ds_rows, 1, kKeyBlock, ph.q_row_pairs + i0 / 2 * dp, dp,
+                                       w.dk, dp, true);
+    }
+    gemm_pairs<kTallRows, kTallVecs>(nr, dp, (nk + 1) / 2, reinterpret_cast<const uint32_t*>(w.ds_keys), kKeyBlock / 2,
+                                     1, w.k_rows, dp, dq_part, dp, true);
+  }
+
+#if defined(ATTNKIT_ISA_avx512amx)
+  // dVᵀ += dOᵀ·P and dKᵀ += Qᵀ·dS on AMX tiles for the row block at i0 (a slab's start): P and
+  // dS are B operands as p_and_ds wrote them (query-row pairs along the keys), dOᵀ and Qᵀ A
+  // operands in their slabs, so nothing is transposed per block. The row pairs up to whole
+  // tiles are zeroed in P and dS, as are the keys nk .. nk_pad (masked).
+  void transposed_grads_on_tiles(const PreparedHead& ph, int64_t i0, int64_t nr_pairs, int64_t nk_pad,
+                                 const BackwardWorkspace& w) const {
+    const int64_t dp = plan_.d_pad, dvp = plan_.dv_pad;
+    const int64_t k_pairs = round_up(nr_pairs, kAmxTile), slab = i0 / (2 * kSlabPairs);
+    std::memset(w.p_rows + nr_pairs * kKeyBlock, 0, sizeof(uint32_t) * (k_pairs - nr_pairs) * kKeyBlock);
+    std::memset(w.ds_rows + nr_pairs * kKeyBlock, 0, sizeof(uint32_t) * (k_pairs - nr_pairs) * kKeyBlock);
+    amx_configure();
+    gemm_amx_bf16(dvp, nk_pad, k_pairs, ph.dout_row_pairs + slab * kSlabPairs * dvp, kSlabPairs, w.p_rows, kKeyBlock,
+                  w.dv, kKeyBlock, true, kSlabPairs * dvp);
+    gemm_amx_bf16(dp, nk_pad, k_pairs, ph.q_row_pairs + slab * kSlabPairs * dp, kSlabPairs, w.ds_rows, kKeyBlock, w.dk,
+                  kKeyBlock, true, kSlabPairs * dp);
+  }
+#endif
+
+  // P = f·E, dS = E∘(f·dP - c) (dropout: P and dP times keep/(1-p)), times the soft-cap's
+  // derivative 1 - tanh², for the block's rows r_begin .. r_end-1 (r_begin even), by pairs of
+  // rows. With bf16 pairs they go straight to the three products' operands: P and dS in
+  // query-row pairs (dV, dK), dS in bf16 rows (dQ, key pairs along them); else dS (and, with
+  // sinks, f·P) as fp32 rows.
+  void p_and_ds(const PreparedHead& ph, int64_t i0, int64_t r_begin, int64_t r_end, int64_t nk_pad,
+                const BackwardWorkspace& w) const {
+    const bool dropout = p_.dropout_p > 0.0f, sinks = p_.sinks != nullptr, softcap = p_.softcap != 0.0f;
     const vfloat one = vbroadcast(1.0f);
-    for (int64_t r = 0; r < nr; r += 2) {
-      const int rows = nr - r > 1 ? 2 : 1;
+    for (int64_t r = r_begin; r < r_end; r += 2) {
+      const int rows = r_end - r > 1 ? 2 : 1;
       vfloat c[2], f[2];
       for (int k = 0; k < rows; ++k) c[k] = vbroadcast(ph.c[i0 + r + k]), f[k] = vbroadcast(ph.f[i0 + r + k]);
       for (int64_t jj = 0; jj < nk_pad; jj += kLanes) {
@@ -494,39 +612,61 @@ class Backward {
           }
         }
         if (plan_.pairs) {
-          const vuint ds_lo = round_to_bf16_bits(dsv[0], kBf16QuietNan), ds_hi = round_to_bf16_bits(dsv[1], kBf16QuietNan);
-          const vuint p_pair = round_to_bf16_bits(pv[0], kBf16QuietNan) | round_to_bf16_bits(pv[1], kBf16QuietNan) << 16;
-          const vuint ds_pair = ds_lo | ds_hi << 16;
+          const vuint p_pair = bf16_pairs(pv[0], pv[1]);
+          uint16_t* ds_keys = w.ds_keys + r * kKeyBlock + jj;
+          const vuint ds_pair = bf16_pairs_and_rows(dsv[0], dsv[1], ds_keys, rows == 2 ? ds_keys + kKeyBlock : nullptr);
           std::memcpy(w.p_rows + r / 2 * kKeyBlock + jj, &p_pair, sizeof p_pair);
           std::memcpy(w.ds_rows + r / 2 * kKeyBlock + jj, &ds_pair, sizeof ds_pair);
-          const vhalf ds_keys[2] = {__builtin_convertvector(ds_lo, vhalf), __builtin_convertvector(ds_hi, vhalf)};
-          for (int k = 0; k < rows; ++k) std::memcpy(w.ds_keys + (r + k) * kKeyBlock + jj, &ds_keys[k], sizeof ds_keys[k]);
         }
       }
     }
+  }
 
-    // dV += Pᵀ·dO, dK += dSᵀ·Q and dQ += dS·K (the last two times scale when stored).
-    if (plan_.pairs) {
-      gemm_pairs<kTallRows, kTallVecs>(nk, dvp, nr_pairs, w.p_rows, 1, kKeyBlock, ph.dout_rows + i0 / 2 * dvp,
-                                       dvp, w.dv, dvp, true);
-      gemm_pairs<kTallRows, kTallVecs>(nk, dp, nr_pairs, w.ds_rows, 1, kKeyBlock, ph.q_rows + i0 / 2 * dp, dp,
-                                       w.dk, dp, true);
-      gemm_pairs<kTallRows, kTallVecs>(nr, dp, (nk + 1) / 2, reinterpret_cast<const uint32_t*>(w.ds_keys),
-                                       kKeyBlock / 2, 1, w.k_rows, dp, dq_part, dp, true);
-    } else {
-      gemm<kTallRows, kTallVecs>(nk, dvp, nr, p, 1, kKeyBlock, ph.dout + i0 * ph.dout_ld, ph.dout_ld, w.dv, dvp, true);
-      gemm<kTallRows, kTallVecs>(nk, dp, nr, w.ds, 1, kKeyBlock, ph.q + i0 * ph.q_ld, ph.q_ld, w.dk, dp, true);
-      gemm<kTallRows, kTallVecs>(nr, dp, nk, w.ds, kKeyBlock, 1, w.k, dp, dq_part, dp, true);
+  // p_and_ds on bf16 pairs without modifiers, mask, dropout or sinks (f = 1), E made in the
+  // same pass from S (scores' one-pass case): per pair of rows, P = E and dS = E∘(dP - c)
+  // rounded into the three products' operands as p_and_ds writes them.
+  void p_and_ds_plain(const PreparedHead& ph, int64_t i0, int64_t r_begin, int64_t r_end, int64_t j0, int64_t bc,
+                      int64_t nk_pad, const BackwardWorkspace& w) const {
+    const vfloat scale_log2e = vbroadcast(p_.scale * kLog2e);
+    vfloat lane{};
+    for (int l = 0; l < kLanes; ++l) lane[l] = static_cast<float>(l);
+    auto rows = [&]<int kRows>(int64_t r) {
+      vfloat c[2], neg_lse_log2e[2];
+      int64_t lo[2] = {}, hi[2] = {};
+      for (int k = 0; k < kRows; ++k) {
+        const int64_t i = i0 + r + k;
+        c[k] = vbroadcast(ph.c[i]), neg_lse_log2e[k] = vbroadcast(ph.lse[i] * -kLog2e);
+        if (ph.lse[i] != -INFINITY) std::tie(lo[k], hi[k]) = visible_keys(i + p_.causal_offset, j0, bc);
+      }
+      uint16_t* ds_keys = w.ds_keys + r * kKeyBlock;
+      for (int64_t jj = 0; jj < nk_pad; jj += kLanes) {
+        const vfloat key = lane + static_cast<float>(jj);
+        vfloat e[2] = {}, ds[2] = {};
+        for (int k = 0; k < kRows; ++k) {
+          const int64_t at = (r + k) * kKeyBlock + jj;
+          e[k] = visible_exp(vload(w.e + at), scale_log2e, neg_lse_log2e[k], key, lo[k], hi[k]);
+          ds[k] = e[k] * (vload(w.ds + at) - c[k]);
+        }
+        const vuint p_pair = bf16_pairs(e[0], e[1]);
+        const vuint ds_pair =
+            bf16_pairs_and_rows(ds[0], ds[1], ds_keys + jj, kRows == 2 ? ds_keys + kKeyBlock + jj : nullptr);
+        std::memcpy(w.p_rows + r / 2 * kKeyBlock + jj, &p_pair, sizeof p_pair);
+        std::memcpy(w.ds_rows + r / 2 * kKeyBlock + jj, &ds_pair, sizeof ds_pair);
+      }
+    };
+    for (int64_t r = r_begin; r < r_end; r += 2) {
+      if (r_end - r > 1) rows.template operator()<2>(r);
+      else rows.template operator()<1>(r);
     }
   }
 
   // The forward's keep mask (one Philox draw per 4 keys of row (b, h, i)) on the first nk
   // keys: w.pd = E·keep/(1-p) and dP·keep/(1-p) in place.
-  void apply_dropout(int64_t b, int64_t h, int64_t i0, int64_t nr, int64_t j0, int64_t nk,
+  void apply_dropout(int64_t b, int64_t h, int64_t i0, int64_t r_begin, int64_t r_end, int64_t j0, int64_t nk,
                      const BackwardWorkspace& w) const {
     const uint32_t threshold = detail::dropout_threshold(p_.dropout_p);
     const float keep_scale = 1.0f / (1.0f - p_.dropout_p);
-    for (int64_t r = 0; r < nr; ++r) {
+    for (int64_t r = r_begin; r < r_end; ++r) {
       for (int64_t jj = 0; jj < nk; jj += 4) {
         const auto bits = detail::dropout_bits(p_.seed, b, h, i0 + r, j0 + jj);
         for (int64_t k = 0; k < 4; ++k) {

@@ -706,3 +706,23 @@ def test_modifiers_with_dropout(rng):
     got = attnkit.attention_backward(q, k, v, out, lse, dout, **kw)
     ref = grad_ref_mods(q, k, v, dout, keep=keep, **kw)
     check_mod_grads(got, ref, "float32")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("causal,window", [(True, None), ("bottom_right", None), ("bottom_right", (100, -1)),
+                                           (False, (70, 30))])
+def test_many_blocks_every_isa(isa, dtype, causal, window):
+    """Several key blocks (192 keys), row blocks (96 rows) and slabs of 32 query rows, a
+    causal offset that is no multiple of 32 (Skv - Sq = 184), a last slab only partly filled
+    (Sq = 333), D = 128 (whole AMX tiles) and Dv = 80, GQA: the edges of each ISA's layouts,
+    avx512amx's slabs of Qᵀ and dOᵀ and its dKᵀ, dVᵀ accumulators included."""
+    rng = np.random.default_rng(11)
+    Sq, Skv = 333, 517
+    q, k = randn(rng, (1, 4, Sq, 128), dtype), randn(rng, (1, 2, Skv, 128), dtype)
+    v = randn(rng, (1, 2, Skv, 80), dtype)
+    kw = dict(causal=causal, enable_gqa=True, **({"window": window} if window else {}))
+    out, lse = forward(q, k, v, **kw)
+    dout = randn(rng, out.shape, dtype)
+    dq, dk, dv = poisoned_grads(q, k, v)
+    got = attnkit.attention_backward(q, k, v, out, lse, dout, dq=dq, dk=dk, dv=dv, **kw)
+    check_grads(got, grad_ref_mods(q, k, v, dout, **kw), dtype)

@@ -252,14 +252,43 @@ inline constexpr uint32_t kBf16QuietNan = 0x7FC0;  // bf16 pairs of P and V: NaN
 // the low half; for the softmax's P. With AVX512_BF16 one conversion and one permute: a
 // NaN stays a NaN (sign and payload kept, quieted) and subnormal inputs flush to zero
 // (P never is one: vexp2 returns 0 below 2^-126).
-inline vuint bf16_pairs(vfloat lo, vfloat hi) {
 #if defined(ATTNKIT_ISA_avx512bf16)
-  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh((__m512)hi, (__m512)lo);  // lo's in words 0..15
+// Words 0..15 and 16..31 interleaved: word i to lane i's low half, word 16 + i to its high half.
+inline vuint interleave_bf16_halves(__m512i both) {
   const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
                                          6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   return (vuint)_mm512_permutexvar_epi16(order, both);
+}
+#endif
+
+inline vuint bf16_pairs(vfloat lo, vfloat hi) {
+#if defined(ATTNKIT_ISA_avx512bf16)
+  return interleave_bf16_halves((__m512i)_mm512_cvtne2ps_pbh((__m512)hi, (__m512)lo));  // lo's in words 0..15
 #else
   return round_to_bf16_bits(lo, kBf16QuietNan) | (round_to_bf16_bits(hi, kBf16QuietNan) << 16);
+#endif
+}
+
+// lo and hi rounded as bf16_pairs does, in two layouts from one conversion: the pairs
+// (returned) and the two rows of kLanes bf16 values (written to lo_row, and to hi_row unless
+// null). For the backward's dS, which one product reads in pairs of query rows and another
+// along the keys.
+inline vuint bf16_pairs_and_rows(vfloat lo, vfloat hi, uint16_t* lo_row, uint16_t* hi_row) {
+#if defined(ATTNKIT_ISA_avx512bf16)
+  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh((__m512)hi, (__m512)lo);
+  // The halves by shufflevector: GCC 12 warns inside the 256-bit extract intrinsics.
+  const vuint lanes = (vuint)both;
+  const auto lo_half = __builtin_shufflevector(lanes, lanes, 0, 1, 2, 3, 4, 5, 6, 7);
+  const auto hi_half = __builtin_shufflevector(lanes, lanes, 8, 9, 10, 11, 12, 13, 14, 15);
+  std::memcpy(lo_row, &lo_half, sizeof lo_half);
+  if (hi_row) std::memcpy(hi_row, &hi_half, sizeof hi_half);
+  return interleave_bf16_halves(both);
+#else
+  const vuint l = round_to_bf16_bits(lo, kBf16QuietNan), h = round_to_bf16_bits(hi, kBf16QuietNan);
+  const vhalf rows[2] = {__builtin_convertvector(l, vhalf), __builtin_convertvector(h, vhalf)};
+  std::memcpy(lo_row, &rows[0], sizeof rows[0]);
+  if (hi_row) std::memcpy(hi_row, &rows[1], sizeof rows[1]);
+  return l | h << 16;
 #endif
 }
 

@@ -46,8 +46,8 @@ inline void amx_configure() {
 
 // One block of up to 2 × 2 output tiles: tiles 0-3 accumulate, 4-5 hold A, 6-7 B.
 template <class Out, bool kTwoRows, bool kTwoCols>
-void amx_block(int64_t k, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb, Out* c, int64_t ldc,
-               bool accumulate) {
+void amx_block(int64_t k, const uint32_t* a, int64_t lda, int64_t a_kstep, const uint32_t* b, int64_t ldb, Out* c,
+               int64_t ldc, bool accumulate) {
   constexpr bool kInt8 = std::is_same_v<Out, int32_t>;
   const int64_t sa = lda * 4, sb = ldb * 4, sc = ldc * 4;  // strides in bytes
   Out* c1 = c + kAmxTile * ldc;
@@ -63,13 +63,14 @@ void amx_block(int64_t k, const uint32_t* a, int64_t lda, const uint32_t* b, int
     if constexpr (kTwoRows && kTwoCols) _tile_zero(3);
   }
   for (int64_t p = 0; p < k; p += kAmxTile) {
-    _tile_loadd(4, a + p, sa);
+    const uint32_t* ap = a + p / kAmxTile * a_kstep;
+    _tile_loadd(4, ap, sa);
     _tile_loadd(6, b + p * ldb, sb);
     if constexpr (kTwoCols) _tile_loadd(7, b + p * ldb + kAmxTile, sb);
     ATTNKIT_AMX_DP(0, 4, 6)
     if constexpr (kTwoCols) ATTNKIT_AMX_DP(1, 4, 7)
     if constexpr (kTwoRows) {
-      _tile_loadd(5, a + kAmxTile * lda + p, sa);
+      _tile_loadd(5, ap + kAmxTile * lda, sa);
       ATTNKIT_AMX_DP(2, 5, 6)
       if constexpr (kTwoCols) ATTNKIT_AMX_DP(3, 5, 7)
     }
@@ -83,12 +84,13 @@ void amx_block(int64_t k, const uint32_t* a, int64_t lda, const uint32_t* b, int
 #undef ATTNKIT_AMX_DP
 
 // c[m][n] (+)= Σ_p a[i][p] ⊙ b[p][n] on packed elements (Out float: bf16 pairs; int32_t: u8
-// quads of A with s8 quads of B): A row-major (row i at a + i * lda, elements contiguous),
-// B [k][n] (row p at b + p * ldb), C row-major; strides in elements. m, n multiples of 16,
-// k of 16 elements; amx_configure() must have run on this thread.
+// quads of A with s8 quads of B): A's element (i, p) at a + i * lda + p / 16 * a_kstep + p % 16
+// (a_kstep 16: row-major; larger: A in slabs of 16 elements per row, one tile's depth), B
+// [k][n] (row p at b + p * ldb), C row-major; strides in elements. m, n multiples of 16, k of
+// 16 elements; amx_configure() must have run on this thread.
 template <class Out>
 void gemm_amx(int64_t m, int64_t n, int64_t k, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb,
-              Out* c, int64_t ldc, bool accumulate) {
+              Out* c, int64_t ldc, bool accumulate, int64_t a_kstep = kAmxTile) {
   for (int64_t i = 0; i < m; i += 2 * kAmxTile) {
     const bool two_rows = i + kAmxTile < m;
     for (int64_t j = 0; j < n; j += 2 * kAmxTile) {
@@ -97,20 +99,20 @@ void gemm_amx(int64_t m, int64_t n, int64_t k, const uint32_t* a, int64_t lda, c
       const uint32_t* bj = b + j;
       Out* cij = c + i * ldc + j;
       if (two_rows && two_cols) {
-        amx_block<Out, true, true>(k, ai, lda, bj, ldb, cij, ldc, accumulate);
+        amx_block<Out, true, true>(k, ai, lda, a_kstep, bj, ldb, cij, ldc, accumulate);
       } else if (two_rows) {
-        amx_block<Out, true, false>(k, ai, lda, bj, ldb, cij, ldc, accumulate);
+        amx_block<Out, true, false>(k, ai, lda, a_kstep, bj, ldb, cij, ldc, accumulate);
       } else if (two_cols) {
-        amx_block<Out, false, true>(k, ai, lda, bj, ldb, cij, ldc, accumulate);
+        amx_block<Out, false, true>(k, ai, lda, a_kstep, bj, ldb, cij, ldc, accumulate);
       } else {
-        amx_block<Out, false, false>(k, ai, lda, bj, ldb, cij, ldc, accumulate);
+        amx_block<Out, false, false>(k, ai, lda, a_kstep, bj, ldb, cij, ldc, accumulate);
       }
     }
   }
 }
 inline void gemm_amx_bf16(int64_t m, int64_t n, int64_t k, const uint32_t* a, int64_t lda, const uint32_t* b,
-                          int64_t ldb, float* c, int64_t ldc, bool accumulate) {
-  gemm_amx<float>(m, n, k, a, lda, b, ldb, c, ldc, accumulate);
+                          int64_t ldb, float* c, int64_t ldc, bool accumulate, int64_t a_kstep = kAmxTile) {
+  gemm_amx<float>(m, n, k, a, lda, b, ldb, c, ldc, accumulate, a_kstep);
 }
 inline void gemm_amx_u8s8(int64_t m, int64_t n, int64_t k, const uint32_t* a, int64_t lda, const uint32_t* b,
                           int64_t ldb, int32_t* c, int64_t ldc, bool accumulate) {
