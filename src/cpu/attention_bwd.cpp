@@ -307,18 +307,19 @@ class Backward {
     }
   }
 
-  // Pass 2, task t: key blocks of split t % splits of (batch, kv head) t / splits.
+  // Pass 2, task t: key blocks of split t / heads of (batch, kv head) t % heads. Split-major,
+  // so the heaviest tasks (causal: the first split's, which see the most query rows) are
+  // handed out first and the lighter ones even out the threads' ends.
   void run(int64_t t, float* workspace) const {
     const BackwardWorkspace w(workspace, plan_);
-    const int64_t split = t % plan_.splits, kv_head = t / plan_.splits;
+    const int64_t heads = p_.B * p_.Hkv, split = t / heads, kv_head = t % heads;
     const int64_t b = kv_head / p_.Hkv, kvh = kv_head % p_.Hkv;
     const int64_t kb_begin = split * plan_.blocks_per_split;
     const int64_t kb_end = std::min(plan_.key_blocks, kb_begin + plan_.blocks_per_split);
     const int64_t first_row = plan_.first_row(p_, split);
-    for (int64_t h = kvh * p_.group; h < (kvh + 1) * p_.group; ++h) {
-      if (first_row < p_.Sq) {
-        std::memset(dq_row(split, b, h, first_row), 0,
-                    sizeof(float) * (p_.Sq - first_row) * plan_.d_pad);
+    if (kb_begin >= kb_end && first_row < p_.Sq) {  // no keys (Skv = 0): dQ is zero
+      for (int64_t h = kvh * p_.group; h < (kvh + 1) * p_.group; ++h) {
+        std::memset(dq_row(split, b, h, first_row), 0, sizeof(float) * (p_.Sq - first_row) * plan_.d_pad);
       }
     }
     for (int64_t kb = kb_begin; kb < kb_end; ++kb) {
@@ -326,10 +327,16 @@ class Backward {
       pack_kv(b, kvh, j0, bc, w);
       std::memset(w.dk, 0, sizeof(float) * kKeyBlock * (plan_.d_pad + plan_.dv_pad));  // dK and dV
       const auto [i_begin, i_end] = plan_.rows_of(p_, j0, bc);
+      // The split's first key block writes its partial dQ rows (it visits rows first_row(split)
+      // .. i_end - 1; the rest, which a left window keeps from it, start at zero); later ones add.
+      const bool first = kb == kb_begin;
       for (int64_t h = kvh * p_.group; h < (kvh + 1) * p_.group; ++h) {
         const PreparedHead ph = head(b, h);
+        if (first && i_end < p_.Sq) {
+          std::memset(dq_row(split, b, h, i_end), 0, sizeof(float) * (p_.Sq - i_end) * plan_.d_pad);
+        }
         for (int64_t i0 = i_begin; i0 < i_end; i0 += kRowBlock) {
-          block(b, h, ph, i0, std::min(kRowBlock, i_end - i0), j0, bc, dq_row(split, b, h, i0), w);
+          block(b, h, ph, i0, std::min(kRowBlock, i_end - i0), j0, bc, dq_row(split, b, h, i0), first, w);
         }
       }
       const float* dk = w.dk;
@@ -498,9 +505,10 @@ class Backward {
     return (vfloat)((vint)vexp2(s * scale_log2e + neg_lse_log2e) & seen);
   }
 
-  // One query block (head h, rows i0 .. i0+nr-1) against one key block (keys j0 .. j0+bc-1).
+  // One query block (head h, rows i0 .. i0+nr-1) against one key block (keys j0 .. j0+bc-1):
+  // dQ's partial rows added to, or with dq_first written.
   void block(int64_t b, int64_t h, const PreparedHead& ph, int64_t i0, int64_t nr, int64_t j0, int64_t bc,
-             float* dq_part, const BackwardWorkspace& w) const {
+             float* dq_part, bool dq_first, const BackwardWorkspace& w) const {
     const int64_t dp = plan_.d_pad, dvp = plan_.dv_pad, nr_pairs = (nr + 1) / 2;
     // Keys past the last one any of these rows sees (the causal limit, the right window) have
     // P = dS = 0: the products stop at the first nk keys (nk_pad for S and dP, whole vectors).
@@ -508,7 +516,10 @@ class Backward {
     const int64_t a_last = i0 + nr - 1 + p_.causal_offset;  // the last row's aligned position
     if (p_.causal) nk = std::min(nk, a_last - j0 + 1);
     if (p_.window_right >= 0) nk = std::min(nk, a_last + p_.window_right - j0 + 1);
-    if (nk <= 0) return;
+    if (nk <= 0) {
+      if (dq_first) std::memset(dq_part, 0, sizeof(float) * nr * dp);
+      return;
+    }
     const int64_t nk_pad = round_up(nk, kLanes);
     const bool dropout = p_.dropout_p > 0.0f;
     const bool plain = plan_.pairs && !dropout && !p_.sinks && p_.softcap == 0.0f && !p_.alibi_slopes && !p_.mask;
@@ -545,7 +556,7 @@ class Backward {
       const float* p = (dropout || p_.sinks) ? w.pd : w.e;
       gemm<kTallRows, kTallVecs>(nk, dvp, nr, p, 1, kKeyBlock, ph.dout + i0 * ph.dout_ld, ph.dout_ld, w.dv, dvp, true);
       gemm<kTallRows, kTallVecs>(nk, dp, nr, w.ds, 1, kKeyBlock, ph.q + i0 * ph.q_ld, ph.q_ld, w.dk, dp, true);
-      gemm<kTallRows, kTallVecs>(nr, dp, nk, w.ds, kKeyBlock, 1, w.k, dp, dq_part, dp, true);
+      gemm<kTallRows, kTallVecs>(nr, dp, nk, w.ds, kKeyBlock, 1, w.k, dp, dq_part, dp, !dq_first);
       return;
     }
     if (plan_.tiles) {
@@ -559,7 +570,7 @@ class Backward {
                                        w.dk, dp, true);
     }
     gemm_pairs<kTallRows, kTallVecs>(nr, dp, (nk + 1) / 2, reinterpret_cast<const uint32_t*>(w.ds_keys), kKeyBlock / 2,
-                                     1, w.k_rows, dp, dq_part, dp, true);
+                                     1, w.k_rows, dp, dq_part, dp, !dq_first);
   }
 
 #if defined(ATTNKIT_ISA_avx512amx)
