@@ -54,6 +54,8 @@ constexpr int64_t kScoreRows = 32;  // rows of S and dP made and consumed at a t
 // Query-row pairs per slab of Qᵀ and dOᵀ (AMX tiles: one tile's depth), so row blocks start
 // at multiples of 2 · kSlabPairs rows there.
 constexpr int64_t kSlabPairs = 16;
+static_assert(kRowBlock % (2 * kSlabPairs) == 0, "query blocks start on slabs");
+static_assert(kScoreRows % 2 == 0, "S and dP chunks start on row pairs");
 constexpr int64_t kMinTasks = 16;  // fewer (batch, kv head) pairs than this: split the keys
 #if defined(ATTNKIT_ISA_avx512bf16)
 constexpr bool kDotProducts = true;  // vdpbf16ps

@@ -709,20 +709,25 @@ def test_modifiers_with_dropout(rng):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("causal,window", [(True, None), ("bottom_right", None), ("bottom_right", (100, -1)),
-                                           (False, (70, 30))])
-def test_many_blocks_every_isa(isa, dtype, causal, window):
+@pytest.mark.parametrize("causal,D,Dv,mods", [
+    (True, 128, 80, {}), ("bottom_right", 128, 80, {}), ("bottom_right", 128, 80, {"window": (100, -1)}),
+    (False, 128, 80, {"window": (70, 30)}),
+    ("bottom_right", 72, 40, {"sinks": np.array([0.5, -1.0, 2.0, 0.0], np.float32), "softcap": 3.0}),
+    (True, 33, 17, {"window": (-1, 50), "alibi_slopes": np.array([0.1, 0.0, 0.3, 0.05], np.float32)}),
+])
+def test_many_blocks_every_isa(isa, dtype, causal, D, Dv, mods):
     """Several key blocks (192 keys), row blocks (96 rows) and slabs of 32 query rows, a
     causal offset that is no multiple of 32 (Skv - Sq = 184), a last slab only partly filled
-    (Sq = 333), D = 128 (whole AMX tiles) and Dv = 80, GQA: the edges of each ISA's layouts,
-    avx512amx's slabs of Qᵀ and dOᵀ and its dKᵀ, dVᵀ accumulators included."""
+    (Sq = 333), whole and partial AMX tiles (D = 128, 72, 33), modifiers (the non-plain
+    pass), GQA: the edges of each ISA's layouts, avx512amx's slabs of Qᵀ and dOᵀ and its dKᵀ,
+    dVᵀ accumulators included."""
     rng = np.random.default_rng(11)
     Sq, Skv = 333, 517
-    q, k = randn(rng, (1, 4, Sq, 128), dtype), randn(rng, (1, 2, Skv, 128), dtype)
-    v = randn(rng, (1, 2, Skv, 80), dtype)
-    kw = dict(causal=causal, enable_gqa=True, **({"window": window} if window else {}))
+    q, k = randn(rng, (1, 4, Sq, D), dtype), randn(rng, (1, 2, Skv, D), dtype)
+    v = randn(rng, (1, 2, Skv, Dv), dtype)
+    kw = dict(causal=causal, enable_gqa=True, **mods)
     out, lse = forward(q, k, v, **kw)
     dout = randn(rng, out.shape, dtype)
     dq, dk, dv = poisoned_grads(q, k, v)
     got = attnkit.attention_backward(q, k, v, out, lse, dout, dq=dq, dk=dk, dv=dv, **kw)
-    check_grads(got, grad_ref_mods(q, k, v, dout, **kw), dtype)
+    check_mod_grads(got, grad_ref_mods(q, k, v, dout, **kw), dtype)

@@ -249,9 +249,10 @@ inline vuint round_to_bf16_bits(vfloat x, uint32_t nan_bits) {
 inline constexpr uint32_t kBf16QuietNan = 0x7FC0;  // bf16 pairs of P and V: NaN stays NaN
 
 // (lo[i], hi[i]) rounded to bf16 as round_to_bf16_bits(·, kBf16QuietNan) in lane i, lo in
-// the low half; for the softmax's P. With AVX512_BF16 one conversion and one permute: a
-// NaN stays a NaN (sign and payload kept, quieted) and subnormal inputs flush to zero
-// (P never is one: vexp2 returns 0 below 2^-126).
+// the low half; for the softmax's P (and the backward's dS). With AVX512_BF16 one conversion
+// and one permute: a NaN stays a NaN (sign and payload kept, quieted) and subnormal inputs
+// (|x| < 2^-126) flush to zero: the forward's P never is one (vexp2 returns 0 below 2^-126);
+// the backward's P with a sink and its dS can be, and lose under 1.2e-38 each.
 #if defined(ATTNKIT_ISA_avx512bf16)
 // Words 0..15 and 16..31 interleaved: word i to lane i's low half, word 16 + i to its high half.
 inline vuint interleave_bf16_halves(__m512i both) {
