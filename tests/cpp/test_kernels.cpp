@@ -1043,6 +1043,39 @@ ISA_TEST(Convert, PairValuesBf16RoundsAndPairs) {
 }
 
 #if defined(ATTNKIT_ISA_avx512amx)
+// The tile configurations as loaded: sttilecfg reads them back. GCC 12 dropped the zeroing of
+// amx_configure's reserved bytes where it was inlined (ldtilecfg then faulted on the stack's
+// garbage); the stack is dirtied first so that such garbage would be there.
+[[gnu::noinline]] void dirty_stack() {
+  volatile uint8_t dirt[4096];
+  for (int i = 0; i < 4096; ++i) dirt[i] = static_cast<uint8_t>(0xA5 ^ i);
+  (void)dirt[0];
+}
+[[gnu::noinline]] void configure_tiles() { amx_configure(); }
+[[gnu::noinline]] void configure_decode_tiles(int64_t rows) { amx_configure_decode(rows); }
+
+ISA_TEST(GemmAmxBf16, TileConfigurationsLoadAsWritten) {
+  SKIP_UNLESS_RUNNABLE();
+  dirty_stack();  // the frames of the configuring functions below start in this garbage
+  configure_tiles();
+  alignas(64) uint8_t got[64];
+  _tile_storeconfig(got);
+  for (int i = 0; i < 64; ++i) {
+    const int want = i == 0 ? 1 : (i >= 16 && i < 32 && i % 2 == 0) ? 64 : (i >= 48 && i < 56) ? 16 : 0;
+    ASSERT_EQ(got[i], want) << "byte " << i;
+  }
+  for (int64_t rows = 1; rows <= 8; ++rows) {
+    dirty_stack();
+    configure_decode_tiles(rows);
+    _tile_storeconfig(got);
+    ASSERT_EQ(got[0], 1);
+    for (int i = 1; i < 16; ++i) ASSERT_EQ(got[i], 0) << "byte " << i;
+    for (int i = 32; i < 48; ++i) ASSERT_EQ(got[i], 0) << "byte " << i;
+    for (int i = 56; i < 64; ++i) ASSERT_EQ(got[i], 0) << "byte " << i;
+    ASSERT_EQ(got[48 + 3], rows);  // P: rows × 8 key pairs
+  }
+}
+
 // AMX tiles: every block shape of the 2 × 2 tiling (odd tile counts in m and n), strided
 // operands, accumulating or not, against a float64 reference; C's padding columns untouched.
 ISA_TEST(GemmAmxBf16, MatchesFloat64Reference) {

@@ -20,6 +20,15 @@ namespace attnkit::cpu::ATTNKIT_ISA {
 
 inline constexpr int64_t kAmxTile = 16;  // rows of every tile, and fp32 columns or pairs per row
 
+// ldtilecfg reads the 64-byte configuration through a pointer GCC 12 does not see read: where
+// amx_configure was inlined into a new caller it dropped the zeroing of the unused (reserved)
+// bytes as dead stores, and ldtilecfg faulted on what was left there. The barrier makes every
+// store of the configuration land first.
+inline void load_tile_config(const uint8_t* config) {
+  asm volatile("" : : "r"(config) : "memory");
+  _tile_loadconfig(config);
+}
+
 // All eight tiles as 16 rows × 64 bytes. The configuration is per thread and other code on
 // the thread (another library's AMX kernels) may change it, so every driver that uses the
 // tiles loads it before its first tile instruction.
@@ -30,7 +39,7 @@ inline void amx_configure() {
     config[16 + 2 * t] = 64;  // bytes per row (little-endian uint16)
     config[48 + t] = 16;      // rows
   }
-  _tile_loadconfig(config);
+  load_tile_config(config);
 }
 
 // tdpbf16ps into fp32 outputs, tdpbusd into int32 ones (the intrinsics take tile numbers
@@ -138,7 +147,7 @@ inline void amx_configure_decode(int64_t rows) {
   tile(5, rows, 64);
   tile(6, rows, 64);
   tile(7, 8, 64);
-  _tile_loadconfig(config);
+  load_tile_config(config);
 }
 
 // Decode (amx_configure_decode): st[j][r] = Σ_p k[j][p] ⊙ qt[p][r] for 16 keys on bf16
