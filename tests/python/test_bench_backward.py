@@ -1,6 +1,7 @@
 """python -m attnkit.bench --op backward: every contender (attnkit's backward, its forward,
 torch SDPA's backward) verified before timing, and a wrong gradient reported as FAILED."""
 
+import csv
 import subprocess
 import sys
 
@@ -14,12 +15,16 @@ def run_bench(*args):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_backward_rows_verify(dtype):
-    res = run_bench("--shape", "B=1,Hq=4,Hkv=2,S=300,D=64,causal", "--dtype", dtype)
+def test_backward_rows_verify(dtype, tmp_path):
+    table = tmp_path / "rows.csv"
+    res = run_bench("--shape", "B=1,Hq=4,Hkv=2,S=300,D=64,causal", "--dtype", dtype, "--csv", str(table))
     assert res.returncode == 0, res.stdout + res.stderr
     assert "FAILED" not in res.stdout
     names = [line.split()[1] for line in res.stdout.splitlines() if line.strip().startswith("1 ")]
     assert {"attnkit", "attnkit-forward"} <= set(names), res.stdout
+    # The forward's GFLOP/s counts its two products, the backward's its five (D = Dv).
+    gflop = {row["contender"]: float(row["gflop"]) for row in csv.DictReader(table.open())}
+    assert gflop["attnkit-forward"] == pytest.approx(gflop["attnkit"] * 2 / 5), gflop
     pytest.importorskip("torch")
     assert "torch-sdpa-backward" in names, res.stdout
 

@@ -169,6 +169,7 @@ class BackwardOp(AttentionOp):
         s = case.shape
         best = attnkit.get_isa()
         notes = []
+        forward_flops = super().counts(case).flops  # the forward's two products, not the five
 
         def run_backward(x):
             return attnkit.attention_backward(x.q, x.k, x.v, x.out, x.lse, x.dout, causal=s.causal,
@@ -181,7 +182,8 @@ class BackwardOp(AttentionOp):
                          set_threads=attnkit.set_num_threads, note=f"backward, isa {best}"),
                Contender("attnkit-forward", "reference", run_forward, prepare=lambda: attnkit.set_isa(best),
                          set_threads=attnkit.set_num_threads, note="forward: ratio = forward / backward",
-                         verify=lambda ref, got: self.verify_forward(case, ref, got), compare_to="")]
+                         verify=lambda ref, got: self.verify_forward(case, ref, got), compare_to="",
+                         flops=forward_flops)]
         torch = optional_torch()
         if torch is None:
             notes.append("torch-sdpa-backward: skipped (torch is not importable)")

@@ -74,6 +74,8 @@ class Contender:
     compared with (op.compare): None for the attnkit contender, "" for none.
     ``prepare_inputs(inputs)``, if set, runs once per input set and thread count before the
     contender is verified or timed (untimed), e.g. converting inputs to a peer's own types.
+    ``flops``, if set, replaces the case's useful FLOPs for this contender's GFLOP/s (e.g. a
+    forward timed beside its backward).
     """
     name: str
     role: str  # "attnkit" (what the ratios are against), "reference" or "peer"
@@ -85,6 +87,7 @@ class Contender:
     verify: Optional[Callable[[Any, Any], "Check"]] = None
     compare_to: Optional[str] = None
     prepare_inputs: Optional[Callable[[Any], None]] = None
+    flops: Optional[float] = None
 
 
 @dataclass

@@ -151,7 +151,8 @@ def run_case(op: BenchOp, case: Case, threads: list, machine, settings: Settings
         tag = f"{case_tag} {case.label} threads={t}"
         group = []
         for c in contenders:
-            group.append(Row(op.name, case, t, c.name, c.role, "ok", flops=counts.flops,
+            group.append(Row(op.name, case, t, c.name, c.role, "ok",
+                             flops=counts.flops if c.flops is None else c.flops,
                              mem_bytes=counts.mem_bytes, memory_bound=counts.memory_bound,
                              peak_gflops=machine.peak_gflops.get(t, math.nan),
                              read_gbs=machine.read_gbs.get(t, math.nan), note=c.note))
