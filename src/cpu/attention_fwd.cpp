@@ -75,6 +75,8 @@ void attention_fwd(const AttentionParams& p) {
   }
 }
 
+bool attention_decodes(const AttentionParams& p) { return Plan(p, false).decodes_only(); }
+
 namespace {
 
 // pv_int8: mode int8_pv_int8 (V as s8 codes for P·V), else V as bf16 pairs where they apply.

@@ -8,8 +8,9 @@
 
 namespace attnkit::cpu::ATTNKIT_ISA {
 
-const KernelTable kernel_table = {ATTNKIT_STR(ATTNKIT_ISA), &attention_fwd, &sparse_mla_fwd, &sage_int8_fwd,
-                                   &merge_states,   &mla_decode_fwd, &v32_quantize, &indexer_logits,
-                                   &topk_select,    &attention_bwd};
+const KernelTable kernel_table = {ATTNKIT_STR(ATTNKIT_ISA), &attention_fwd,  &attention_decodes,
+                                   &sparse_mla_fwd,            &sage_int8_fwd,  &merge_states,
+                                   &mla_decode_fwd,            &v32_quantize,   &indexer_logits,
+                                   &topk_select,               &attention_bwd};
 
 }  // namespace attnkit::cpu::ATTNKIT_ISA

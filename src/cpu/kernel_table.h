@@ -21,6 +21,9 @@ namespace attnkit::cpu {
 struct KernelTable {
   const char* isa;
   void (*attention_fwd)(const AttentionParams& params);
+  // Whether every row block of the call would run key blocks (decode: few query rows per kv
+  // head); decided by the shapes alone.
+  bool (*attention_decodes)(const AttentionParams& params);
   void (*sparse_mla_fwd)(const SparseMlaParams& params);
   void (*sage_int8_fwd)(const AttentionParams& params, bool pv_int8);  // pv_int8: mode int8_pv_int8
   void (*merge_states)(const MergeStatesParams& params);

@@ -7,6 +7,7 @@
 namespace attnkit::cpu::ATTNKIT_ISA {
 
 void attention_fwd(const AttentionParams& params);
+bool attention_decodes(const AttentionParams& params);
 void sparse_mla_fwd(const SparseMlaParams& params);
 void sage_int8_fwd(const AttentionParams& params, bool pv_int8);
 void merge_states(const MergeStatesParams& params);

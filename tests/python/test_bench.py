@@ -108,7 +108,7 @@ def test_labels_and_per_instruction_peak():
 
 def test_every_instruction_peak_is_reported():
     """The machine line gives each instruction's measured peak per thread count, n/a where the
-    CPU lacks it; a forced variant's rows name its own path (avx512vnni: bf16 on fp32 FMAs,
+    CPU lacks it; a forced variant's rows name its own path (avx512vnni: bf16 prefill on fp32 FMAs,
     int8 Sage on vpdpbusd+vdpbf16ps)."""
     import os
 

@@ -4,7 +4,7 @@ The default variant follows the bf16 rule (Intel family 6: avx512vnni, bf16 thro
 FMAs; elsewhere avx512bf16, vdpbf16ps), checked here against /proc/cpuinfo read
 independently. Every variant is forced (set_isa, ATTNKIT_ISA) and checked against the
 float64 reference, and avx512vnni is checked to be what it claims: avx512's arithmetic for
-bf16 inputs, avx512bf16's int8 Sage.
+bf16 inputs but for decode, avx512bf16's bf16 decode and int8 Sage.
 """
 
 import os
@@ -16,7 +16,7 @@ import pytest
 
 import attnkit
 from attnkit import _C
-from conftest import assert_bits_equal, make_qkv, poison
+from conftest import assert_bits_equal, bits, make_qkv, poison, randn
 from reference import assert_close, attention_ref, pv_magnitude, tolerance
 
 HAS_BF16_VARIANTS = "avx512bf16" in attnkit.supported_isas()
@@ -111,6 +111,37 @@ def test_avx512vnni_is_avx512_for_bf16_and_avx512bf16_for_int8_sage(rng, restore
     sage = lambda: attnkit.sage_attention(q, k, v, causal=True, mode="int8")  # noqa: E731
     assert_bits_equal(run("avx512vnni", exact), run("avx512", exact), "bf16 attention vnni vs avx512")
     assert_bits_equal(run("avx512vnni", sage), run("avx512bf16", sage), "int8 sage vnni vs avx512bf16")
+
+
+@pytest.mark.skipif(not HAS_BF16_VARIANTS, reason="needs a CPU with AVX512_BF16 and AVX512_VNNI")
+@pytest.mark.parametrize("sq", [1, 2])
+def test_avx512vnni_decodes_bf16_as_avx512bf16(rng, restore_runtime, sq):
+    """Calls that only decode (at most 8 query rows per kv head) run avx512bf16's key blocks on
+    avx512vnni, dense and paged, bit-identical to it (and not to avx512: the route shows); a
+    serving batch with a prefill chunk stays avx512's."""
+    def run(isa_name, fn):  # out and lse (fp32: it shows the path where bf16 outputs round alike)
+        attnkit.set_isa(isa_name)
+        return np.concatenate([bits(x).astype(np.uint32).ravel() for x in fn()])
+
+    q, k, v = make_qkv(rng, 2, 8, 2, sq, 700, 128, 128, "bfloat16")
+    dense = lambda: attnkit.attention(q, k, v, causal=True, enable_gqa=True, return_lse=True)  # noqa: E731
+    assert_bits_equal(run("avx512vnni", dense), run("avx512bf16", dense), "bf16 decode vnni vs avx512bf16")
+    assert not np.array_equal(run("avx512", dense), run("avx512bf16", dense))
+
+    block_size, hkv, hq, d = 16, 2, 8, 64
+    seq_lens = np.array([300, 41, 129], dtype=np.int32)
+    blocks = (seq_lens + block_size - 1) // block_size
+    table = np.full((len(seq_lens), blocks.max()), -1, dtype=np.int32)
+    ids = rng.permutation(int(blocks.sum())).astype(np.int32)
+    for b, n in enumerate(blocks):
+        table[b, :n], ids = ids[:n], ids[n:]
+    kc = randn(rng, (int(blocks.sum()), block_size, hkv, d), "bfloat16")
+    vc = randn(rng, (int(blocks.sum()), block_size, hkv, d), "bfloat16")
+    for q_lens, expected in (([sq] * 3, "avx512bf16"), ([sq, 40, sq], "avx512")):
+        cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        qp = randn(rng, (int(cu_q[-1]), hq, d), "bfloat16")
+        paged = lambda: attnkit.paged_attention(qp, kc, vc, table, seq_lens, cu_q, return_lse=True)  # noqa: E731
+        assert_bits_equal(run("avx512vnni", paged), run(expected, paged), f"paged q_lens {q_lens}: vnni vs {expected}")
 
 
 @pytest.mark.skipif("avx512amx" not in attnkit.supported_isas(), reason="needs AMX (and the OS's leave)")

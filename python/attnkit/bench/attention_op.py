@@ -55,6 +55,19 @@ def exact_peak_of(row):
     return BF16_DOT if "avx512bf16" in features else FP32_FMA
 
 
+def decode_peak_of(row, peak, rows_per_kv_head):
+    """The peak of an attnkit decode row (at most 8 query rows per kv head, docs/ARCHITECTURE.md)
+    given `peak`, its call's: avx512vnni runs bf16 calls that only decode on avx512bf16's key
+    blocks, vdpbf16ps (src/core/dispatch.cpp); bf16 queries, over bf16 or fp8 K and V."""
+    import attnkit
+
+    bf16_queries = row.case.dtype == "bfloat16" or row.case.dtype.startswith("float8")
+    if (peak == FP32_FMA and bf16_queries and rows_per_kv_head <= 8 and row.contender.startswith("attnkit")
+            and row.contender != "attnkit-generic" and attnkit.get_isa() == "avx512vnni"):
+        return BF16_DOT
+    return peak
+
+
 @dataclass(frozen=True)
 class AttnShape:
     name: Optional[str]
@@ -298,7 +311,7 @@ class AttentionOp(BenchOp):
         # most 8 query rows per kv head: docs/ARCHITECTURE.md) stay on vdpbf16ps.
         if peak == AMX_BF16 and row.contender.startswith("attnkit") and s.Sq * (s.Hq // s.Hkv) <= 8:
             return BF16_DOT
-        return peak
+        return decode_peak_of(row, peak, s.Sq * (s.Hq // s.Hkv))
 
     def dtypes_for(self, shape, requested):
         if requested is None:

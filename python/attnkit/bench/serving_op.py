@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, replace
 import numpy as np
 
-from .attention_op import PEER_TOL_FACTOR, _as_f32, _check, exact_peak_of, visible_pairs
+from .attention_op import PEER_TOL_FACTOR, _as_f32, _check, decode_peak_of, exact_peak_of, visible_pairs
 from .machine import bf16_dot_of
 from .registry import (BenchOp, Contender, Counts, attnkit_contenders, itemsize, numpy_dtype,
                        optional_torch, register, shape_int)
@@ -354,9 +354,12 @@ class PagedOp(_ServingOp):
         paths (AMX tiles on avx512amx, vdpbf16ps on avx512bf16)."""
         import attnkit
 
+        s = row.case.shape
+        peak = exact_peak_of(row)
         if row.case.dtype.startswith("float8") and row.contender == "attnkit":
-            return bf16_dot_of(attnkit.get_isa())
-        return exact_peak_of(row)
+            peak = bf16_dot_of(attnkit.get_isa())
+        decode_rows = max(s.q_lens()) * (s.Hq // s.Hkv) if s.prefills == 0 else math.inf
+        return decode_peak_of(row, peak, decode_rows)
 
     def contenders(self, case):
         import attnkit

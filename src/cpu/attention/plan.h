@@ -199,6 +199,11 @@ struct Plan {
     return 2 * rows <= kLanes && few[rows].key_blocks ? few[rows] : tile;
   }
 
+  // Whether every row block runs key blocks (a decode call); sequences without queries have none.
+  bool decodes_only() const {
+    return std::all_of(seqs.begin(), seqs.end(), [&](const Sequence& s) { return s.sq == 0 || decodes(s); });
+  }
+
   // The sequence (and its row block) of a task or row block: the last one starting at or before it.
   const Sequence& sequence_of_task(int64_t task) const {
     return *(std::upper_bound(seqs.begin(), seqs.end(), task,
