@@ -135,6 +135,23 @@ def test_every_instruction_peak_is_reported():
     assert "% of fp32 FMA" in rows["attnkit-exact"], rows
 
 
+@pytest.mark.skipif("avx512vnni" not in __import__("attnkit").supported_isas(), reason="needs AVX512_BF16/VNNI")
+@pytest.mark.parametrize("op,shape,decode", [("attention", "Dc", True), ("attention", "B=1,Hq=8,Hkv=2,S=64,D=64", False),
+                                             ("paged", "P16,n=2", True), ("paged", "M,n=2", False)])
+def test_avx512vnni_decode_rows_name_vdpbf16ps(op, shape, decode):
+    """avx512vnni runs bf16 calls that only decode on vdpbf16ps (src/core/dispatch.cpp): the
+    rows say so; prefill and mixed batches stay on fp32 FMAs."""
+    import os
+
+    env = {**os.environ, "ATTNKIT_ISA": "avx512vnni"}
+    res = subprocess.run([sys.executable, "-m", "attnkit.bench", "--quick", "--no-progress", "--op", op, "--shape",
+                          shape, "--dtype", "bfloat16", "--threads", "1", "--repeats", "1", "--budget", "1"],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    row = next(line for line in res.stdout.splitlines() if re.match(r"\s+1\s+attnkit\s", line))
+    assert ("% of vdpbf16ps" if decode else "% of fp32 FMA") in row, row
+
+
 @pytest.mark.parametrize("peer,module", [("openvino", "openvino"), ("onnxruntime", "onnxruntime")])
 def test_optional_peers_verify(peer, module):
     """OpenVINO and ONNX Runtime (attnkit[peers]) are verified against the float64 reference

@@ -8,8 +8,8 @@ forward"), and torch SDPA's backward (peer: only ``out.backward(dout)`` is timed
 built once per input set with retain_graph, the forward untimed). Verification: every
 gradient of kv head Hkv-1 of batch 0 (dk, dv, and dq of its query heads, all rows) against a
 float64 reference; the forward against float64 attention on those heads. GFLOP/s count the
-backward's useful FLOPs, 2 · B · Hq · (3·D + 2·Dv) · pairs (five products), for every row:
-the forward row's GFLOP/s and % peak are therefore not its own (its ratio is what counts).
+useful FLOPs: the backward's five products, 2 · B · Hq · (3·D + 2·Dv) · pairs, and the
+forward row its two, 2 · B · Hq · (D + Dv) · pairs.
 """
 
 from __future__ import annotations
@@ -108,7 +108,9 @@ class BackwardOp(AttentionOp):
 
     def peak_of(self, row):
         # As exact attention's rows: bf16 on the variant's bf16 instruction (attnkit's five
-        # products and its forward's two; torch's oneDNN gemms), else fp32 FMAs.
+        # products; torch's oneDNN gemms), else fp32 FMAs; the forward's row as attention's.
+        if row.contender == "attnkit-forward":
+            return super().peak_of(row)
         return exact_peak_of(row)
 
     def counts(self, case):

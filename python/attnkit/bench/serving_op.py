@@ -61,9 +61,13 @@ class ServingShape:
     def q_lens(self) -> np.ndarray:
         if self.q_len == 0:
             return self.lengths()
-        q = np.ones(self.n_seqs, dtype=np.int64)
+        q = np.full(self.n_seqs, 1 if self.prefills else self.q_len, dtype=np.int64)  # mixed: decodes
         q[:self.prefills] = self.q_len
         return q
+
+    def rows_per_kv_head(self) -> int:
+        """The most query rows one sequence puts on a kv head (decode: at most 8)."""
+        return int(self.q_lens().max()) * (self.Hq // self.Hkv)
 
 
 VARLEN_SHAPES = {"R": ServingShape("R", 64, 16, 512, 0)}
@@ -90,7 +94,10 @@ def _parse(named):
             if k.lower() not in fields:
                 raise ValueError(f"unknown shape key {k!r} (keys: {', '.join(fields)})")
             vals[fields[k.lower()]] = shape_int(k, v)
-        return replace(base, name=key, **vals)
+        shape = replace(base, name=key, **vals)
+        if shape.q_len > shape.lo:
+            raise ValueError(f"shape {text!r}: q={shape.q_len} new tokens need keys lo >= q, got lo={shape.lo}")
+        return shape
     return staticmethod(parse)
 
 
@@ -139,7 +146,7 @@ class _ServingOp(BenchOp):
                        quick=True)
 
     def peak_of(self, row):
-        return exact_peak_of(row)
+        return decode_peak_of(row, exact_peak_of(row), row.case.shape.rows_per_kv_head())
 
     def _subset(self, out, ref, cu_q):
         return [np.asarray(_as_f32(out))[cu_q[b]:cu_q[b + 1]][:, ref.heads].transpose(1, 0, 2).astype(np.float64)
@@ -354,12 +361,10 @@ class PagedOp(_ServingOp):
         paths (AMX tiles on avx512amx, vdpbf16ps on avx512bf16)."""
         import attnkit
 
-        s = row.case.shape
         peak = exact_peak_of(row)
         if row.case.dtype.startswith("float8") and row.contender == "attnkit":
             peak = bf16_dot_of(attnkit.get_isa())
-        decode_rows = max(s.q_lens()) * (s.Hq // s.Hkv) if s.prefills == 0 else math.inf
-        return decode_peak_of(row, peak, decode_rows)
+        return decode_peak_of(row, peak, row.case.shape.rows_per_kv_head())
 
     def contenders(self, case):
         import attnkit
