@@ -24,8 +24,7 @@ from dataclasses import replace
 import numpy as np
 
 from .machine import AMX_BF16, AMX_INT8, BF16_DOT, FP32_FMA, INT8_DOT, int8_dot_of
-from .attention_op import (NAMED, AttentionOp, AttnInputs, AttnShape, _subset, exact_peak_of,
-                           exact_reference)
+from .attention_op import NAMED, AttentionOp, AttnInputs, AttnShape, _subset, exact_reference
 from .registry import Check, Contender, register
 
 COS_MIN, REL_L1_MAX = 0.999, 0.02
@@ -93,7 +92,7 @@ class SageOp(AttentionOp):
             if row.contender == PV_INT8:  # P·V on vpdpbusd
                 return ((qk, s.D), (INT8_DOT, s.Dv)) if amx else INT8_DOT
             return ((qk, s.D), (AMX_BF16 if amx else BF16_DOT, s.Dv))
-        return exact_peak_of(row)
+        return super().peak_of(row)
 
     # --- verification: the quantized contract for sage, attention's checks for exact peers
     def verify(self, case, ref, out):
