@@ -88,17 +88,19 @@ class PollTimer {
 constexpr auto kCallerSpin = std::chrono::microseconds(50);
 constexpr auto kWorkerSpin = std::chrono::microseconds(20);
 
+// Returns once ready() holds or after `spin`; the condition-variable wait that follows
+// checks again under the mutex.
 template <class Ready>
-bool spin_until(Ready ready, std::chrono::microseconds spin) {
+void spin_until(Ready ready, std::chrono::microseconds spin) {
   const auto end = std::chrono::steady_clock::now() + spin;
   for (;;) {
     for (int i = 0; i < 64; ++i) {
-      if (ready()) return true;
+      if (ready()) return;
 #if defined(__x86_64__) || defined(__i386__)
       _mm_pause();
 #endif
     }
-    if (std::chrono::steady_clock::now() >= end) return false;
+    if (std::chrono::steady_clock::now() >= end) return;
   }
 }
 
