@@ -49,6 +49,10 @@ namespace {
 // ~5-10% faster at shape A; the key block's state (~0.7 MiB) stays in L2.
 constexpr int64_t kKeyBlock = 192;
 constexpr int64_t kRowBlock = 96;
+// Key blocks packed and run together: each query block visits them one after the other, so
+// its partial dQ rows (and its Q and dO) are read from L3 once per group, not once per key
+// block (the dQ rows' L3 round trips alone took ~9% of the call at shape A).
+constexpr int64_t kKeyBlocksTogether = 2;
 constexpr int64_t kScoreRows = 32;  // rows of S and dP made and consumed at a time (even)
 
 // Query-row pairs per slab of Qᵀ and dOᵀ (AMX tiles: one tile's depth), so row blocks start
@@ -92,6 +96,21 @@ void gemm_pairs(int64_t m, int64_t n, int64_t pairs, const uint32_t* a, int64_t 
 #endif
 }
 
+// One key block's K and V as the products read them, and its dK and dV accumulators.
+struct PackedKeys {
+  float *k, *v, *kt, *vt, *dk, *dv;        // fp32 rows of K, V; Kᵀ, Vᵀ; dK, dV (with tiles dKᵀ, dVᵀ)
+  uint32_t *kt_pairs, *vt_pairs, *k_rows;  // pairs along D (Dv) of Kᵀ (Vᵀ); key pairs of K
+  static int64_t floats(int64_t d_pad, int64_t dv_pad) { return 4 * kKeyBlock * (d_pad + dv_pad); }
+  // Lays the block out from base; returns the end.
+  float* place(float* base, int64_t dp, int64_t dvp) {
+    const int64_t kb = kKeyBlock;
+    k = base, v = k + kb * dp, kt = v + kb * dvp, vt = kt + kb * dp, dk = vt + kb * dvp, dv = dk + kb * dp;
+    kt_pairs = reinterpret_cast<uint32_t*>(dv + kb * dvp), vt_pairs = kt_pairs + kb * dp / 2;
+    k_rows = vt_pairs + kb * dvp / 2;
+    return base + floats(dp, dvp);
+  }
+};
+
 // How the keys split into tasks, the per-thread workspace and the per-head prepared data.
 struct BackwardPlan {
   bool pairs;  // bf16 pairs for every product
@@ -119,11 +138,7 @@ struct BackwardPlan {
     rows16 = round_up(p.Sq, 16);
     row_pairs_pad = round_up((p.Sq + 1) / 2, tiles ? kSlabPairs : 1);
     row_align = tiles ? 2 * kSlabPairs : 2;
-    const int64_t blk = kKeyBlock * (d_pad + dv_pad);
-    workspace_floats = blk                  // K, V rows
-                       + blk                // Kᵀ, Vᵀ
-                       + blk                // dK, dV accumulators (with tiles dKᵀ, dVᵀ)
-                       + blk                // bf16 pairs: Kᵀ, Vᵀ along D (Dv); K rows in key pairs
+    workspace_floats = kKeyBlocksTogether * PackedKeys::floats(d_pad, dv_pad)
                        + 6 * kRowBlock * kKeyBlock  // E, dP then dS, dropped P, tanh, row pairs of P and dS
                        + kRowBlock * kKeyBlock / 2  // dS pairs along the keys
                        + 2 * dv_pad                     // a dO row and an O row
@@ -162,17 +177,15 @@ struct BackwardPlan {
 };
 
 struct BackwardWorkspace {
-  float *k, *v, *kt, *vt, *dk, *dv, *e, *ds, *pd, *t, *pack;
-  uint32_t* slab;                          // kSlabPairs row pairs of Q, then of dO, being transposed
-  uint32_t *kt_pairs, *vt_pairs, *k_rows;  // pairs along D (Dv) of Kᵀ (Vᵀ); key pairs of K
-  uint32_t *p_rows, *ds_rows;              // query-row pairs of P and dS
-  uint16_t* ds_keys;                       // dS in bf16: pairs along the keys
+  PackedKeys keys[kKeyBlocksTogether];
+  float *e, *ds, *pd, *t, *pack;
+  uint32_t* slab;              // kSlabPairs row pairs of Q, then of dO, being transposed
+  uint32_t *p_rows, *ds_rows;  // query-row pairs of P and dS
+  uint16_t* ds_keys;           // dS in bf16: pairs along the keys
   BackwardWorkspace(float* base, const BackwardPlan& plan) {
-    const int64_t dp = plan.d_pad, dvp = plan.dv_pad, kb = kKeyBlock, rb = kRowBlock;
-    k = base, v = k + kb * dp, kt = v + kb * dvp, vt = kt + kb * dp, dk = vt + kb * dvp, dv = dk + kb * dp;
-    kt_pairs = reinterpret_cast<uint32_t*>(dv + kb * dvp), vt_pairs = kt_pairs + kb * dp / 2;
-    k_rows = vt_pairs + kb * dvp / 2;
-    e = reinterpret_cast<float*>(k_rows + kb / 2 * dp);
+    const int64_t dvp = plan.dv_pad, kb = kKeyBlock, rb = kRowBlock;
+    for (PackedKeys& packed : keys) base = packed.place(base, plan.d_pad, dvp);
+    e = base;
     ds = e + rb * kb, pd = ds + rb * kb, t = pd + rb * kb;
     p_rows = reinterpret_cast<uint32_t*>(t + rb * kb), ds_rows = p_rows + rb * kb;
     ds_keys = reinterpret_cast<uint16_t*>(ds_rows + rb * kb);
@@ -324,32 +337,46 @@ class Backward {
         std::memset(dq_row(split, b, h, first_row), 0, sizeof(float) * (p_.Sq - first_row) * plan_.d_pad);
       }
     }
-    for (int64_t kb = kb_begin; kb < kb_end; ++kb) {
-      const int64_t j0 = kb * kKeyBlock, bc = std::min(kKeyBlock, p_.Skv - j0);
-      pack_kv(b, kvh, j0, bc, w);
-      std::memset(w.dk, 0, sizeof(float) * kKeyBlock * (plan_.d_pad + plan_.dv_pad));  // dK and dV
-      const auto [i_begin, i_end] = plan_.rows_of(p_, j0, bc);
+    for (int64_t kb0 = kb_begin; kb0 < kb_end; kb0 += kKeyBlocksTogether) {
+      const int64_t together = std::min(kKeyBlocksTogether, kb_end - kb0);
+      int64_t j0[kKeyBlocksTogether], bc[kKeyBlocksTogether];
+      for (int64_t g = 0; g < together; ++g) {
+        j0[g] = (kb0 + g) * kKeyBlock, bc[g] = std::min(kKeyBlock, p_.Skv - j0[g]);
+        const PackedKeys& keys = w.keys[g];
+        pack_kv(b, kvh, j0[g], bc[g], keys);
+        std::memset(keys.dk, 0, sizeof(float) * kKeyBlock * (plan_.d_pad + plan_.dv_pad));  // dK and dV
+      }
+      // The rows any of the blocks sees: from the first block's first row to the last block's
+      // end (both grow with the keys); a block given rows it does not see adds zeros.
+      const int64_t i_begin = plan_.rows_of(p_, j0[0], bc[0]).first;
+      const int64_t i_end = plan_.rows_of(p_, j0[together - 1], bc[together - 1]).second;
       // The split's first key block writes its partial dQ rows (it visits rows first_row(split)
-      // .. i_end - 1; the rest, which a left window keeps from it, start at zero); later ones add.
-      const bool first = kb == kb_begin;
+      // .. i_end - 1; the rest, which a left window keeps from them, start at zero); later ones add.
+      const bool first = kb0 == kb_begin;
       for (int64_t h = kvh * p_.group; h < (kvh + 1) * p_.group; ++h) {
         const PreparedHead ph = head(b, h);
         if (first && i_end < p_.Sq) {
           std::memset(dq_row(split, b, h, i_end), 0, sizeof(float) * (p_.Sq - i_end) * plan_.d_pad);
         }
         for (int64_t i0 = i_begin; i0 < i_end; i0 += kRowBlock) {
-          block(b, h, ph, i0, std::min(kRowBlock, i_end - i0), j0, bc, dq_row(split, b, h, i0), first, w);
+          for (int64_t g = 0; g < together; ++g) {
+            block(b, h, ph, i0, std::min(kRowBlock, i_end - i0), j0[g], bc[g], dq_row(split, b, h, i0),
+                  first && g == 0, w.keys[g], w);
+          }
         }
       }
-      const float* dk = w.dk;
-      const float* dv = w.dv;
-      if (plan_.tiles) {  // dKᵀ and dVᵀ back to rows, into K's and V's fp32 rows (done with)
-        transpose_matrix(w.dk, kKeyBlock, plan_.d_pad, kKeyBlock, w.k, plan_.d_pad);
-        transpose_matrix(w.dv, kKeyBlock, plan_.dv_pad, kKeyBlock, w.v, plan_.dv_pad);
-        dk = w.k, dv = w.v;
+      for (int64_t g = 0; g < together; ++g) {
+        const PackedKeys& keys = w.keys[g];
+        const float* dk = keys.dk;
+        const float* dv = keys.dv;
+        if (plan_.tiles) {  // dKᵀ and dVᵀ back to rows, into K's and V's fp32 rows (done with)
+          transpose_matrix(keys.dk, kKeyBlock, plan_.d_pad, kKeyBlock, keys.k, plan_.d_pad);
+          transpose_matrix(keys.dv, kKeyBlock, plan_.dv_pad, kKeyBlock, keys.v, plan_.dv_pad);
+          dk = keys.k, dv = keys.v;
+        }
+        store_rows(dk, plan_.d_pad, p_.D, p_.scale, static_cast<E*>(bp_.dk), bp_.dk_stride, b, kvh, j0[g], bc[g]);
+        store_rows(dv, plan_.dv_pad, p_.Dv, 1.0f, static_cast<E*>(bp_.dv), bp_.dv_stride, b, kvh, j0[g], bc[g]);
       }
-      store_rows(dk, plan_.d_pad, p_.D, p_.scale, static_cast<E*>(bp_.dk), bp_.dk_stride, b, kvh, j0, bc);
-      store_rows(dv, plan_.dv_pad, p_.Dv, 1.0f, static_cast<E*>(bp_.dv), bp_.dv_stride, b, kvh, j0, bc);
     }
   }
 
@@ -383,17 +410,17 @@ class Backward {
 
   // K and V rows j0 .. j0+bc-1 as fp32 rows, zero-padded to kKeyBlock rows, and transposed
   // (bf16 pairs of both, and K's rows in key pairs, where pairs are used).
-  void pack_kv(int64_t b, int64_t kvh, int64_t j0, int64_t bc, const BackwardWorkspace& w) const {
+  void pack_kv(int64_t b, int64_t kvh, int64_t j0, int64_t bc, const PackedKeys& keys) const {
     const E* k = static_cast<const E*>(p_.k) + b * p_.k_stride[0] + kvh * p_.k_stride[1];
     const E* v = static_cast<const E*>(p_.v) + b * p_.v_stride[0] + kvh * p_.v_stride[1];
-    pack_rows(k + j0 * p_.k_stride[2], p_.k_stride[2], p_.k_stride[3], bc, kKeyBlock, p_.D, plan_.d_pad, w.k);
-    pack_rows(v + j0 * p_.v_stride[2], p_.v_stride[2], p_.v_stride[3], bc, kKeyBlock, p_.Dv, plan_.dv_pad, w.v);
-    transpose_matrix(w.k, plan_.d_pad, kKeyBlock, plan_.d_pad, w.kt, kKeyBlock);
-    transpose_matrix(w.v, plan_.dv_pad, kKeyBlock, plan_.dv_pad, w.vt, kKeyBlock);
+    pack_rows(k + j0 * p_.k_stride[2], p_.k_stride[2], p_.k_stride[3], bc, kKeyBlock, p_.D, plan_.d_pad, keys.k);
+    pack_rows(v + j0 * p_.v_stride[2], p_.v_stride[2], p_.v_stride[3], bc, kKeyBlock, p_.Dv, plan_.dv_pad, keys.v);
+    transpose_matrix(keys.k, plan_.d_pad, kKeyBlock, plan_.d_pad, keys.kt, kKeyBlock);
+    transpose_matrix(keys.v, plan_.dv_pad, kKeyBlock, plan_.dv_pad, keys.vt, kKeyBlock);
     if (plan_.pairs) {  // exact: the values are bf16 already
-      pair_rows_bf16(w.kt, p_.D, kKeyBlock, w.kt_pairs);
-      pair_rows_bf16(w.vt, p_.Dv, kKeyBlock, w.vt_pairs);
-      pair_rows_bf16(w.k, kKeyBlock, plan_.d_pad, w.k_rows);
+      pair_rows_bf16(keys.kt, p_.D, kKeyBlock, keys.kt_pairs);
+      pair_rows_bf16(keys.vt, p_.Dv, kKeyBlock, keys.vt_pairs);
+      pair_rows_bf16(keys.k, kKeyBlock, plan_.d_pad, keys.k_rows);
     }
   }
 
@@ -510,7 +537,7 @@ class Backward {
   // One query block (head h, rows i0 .. i0+nr-1) against one key block (keys j0 .. j0+bc-1):
   // dQ's partial rows added to, or with dq_first written.
   void block(int64_t b, int64_t h, const PreparedHead& ph, int64_t i0, int64_t nr, int64_t j0, int64_t bc,
-             float* dq_part, bool dq_first, const BackwardWorkspace& w) const {
+             float* dq_part, bool dq_first, const PackedKeys& keys, const BackwardWorkspace& w) const {
     const int64_t dp = plan_.d_pad, dvp = plan_.dv_pad, nr_pairs = (nr + 1) / 2;
     // Keys past the last one any of these rows sees (the causal limit, the right window) have
     // P = dS = 0: the products stop at the first nk keys (nk_pad for S and dP, whole vectors).
@@ -534,13 +561,13 @@ class Backward {
       float* dprob = w.ds + r0 * kKeyBlock;
       if (plan_.pairs) {
         gemm_pairs<kWideRows, kWideVecs>(r1 - r0, nk_pad, plan_.d_pairs, ph.q_pairs + (i0 + r0) * ph.q_ld, ph.q_ld,
-                                         1, w.kt_pairs, kKeyBlock, s, kKeyBlock, false);
+                                         1, keys.kt_pairs, kKeyBlock, s, kKeyBlock, false);
         gemm_pairs<kWideRows, kWideVecs>(r1 - r0, nk_pad, plan_.dv_pairs, ph.dout_pairs + (i0 + r0) * ph.dout_ld,
-                                         ph.dout_ld, 1, w.vt_pairs, kKeyBlock, dprob, kKeyBlock, false);
+                                         ph.dout_ld, 1, keys.vt_pairs, kKeyBlock, dprob, kKeyBlock, false);
       } else {
-        gemm<kWideRows, kWideVecs>(r1 - r0, nk_pad, p_.D, ph.q + (i0 + r0) * ph.q_ld, ph.q_ld, 1, w.kt, kKeyBlock, s,
+        gemm<kWideRows, kWideVecs>(r1 - r0, nk_pad, p_.D, ph.q + (i0 + r0) * ph.q_ld, ph.q_ld, 1, keys.kt, kKeyBlock, s,
                                    kKeyBlock, false);
-        gemm<kWideRows, kWideVecs>(r1 - r0, nk_pad, p_.Dv, ph.dout + (i0 + r0) * ph.dout_ld, ph.dout_ld, 1, w.vt,
+        gemm<kWideRows, kWideVecs>(r1 - r0, nk_pad, p_.Dv, ph.dout + (i0 + r0) * ph.dout_ld, ph.dout_ld, 1, keys.vt,
                                    kKeyBlock, dprob, kKeyBlock, false);
       }
       if (plain) {
@@ -556,23 +583,23 @@ class Backward {
     // last two times scale when stored).
     if (!plan_.pairs) {
       const float* p = (dropout || p_.sinks) ? w.pd : w.e;
-      gemm<kTallRows, kTallVecs>(nk, dvp, nr, p, 1, kKeyBlock, ph.dout + i0 * ph.dout_ld, ph.dout_ld, w.dv, dvp, true);
-      gemm<kTallRows, kTallVecs>(nk, dp, nr, w.ds, 1, kKeyBlock, ph.q + i0 * ph.q_ld, ph.q_ld, w.dk, dp, true);
-      gemm<kTallRows, kTallVecs>(nr, dp, nk, w.ds, kKeyBlock, 1, w.k, dp, dq_part, dp, !dq_first);
+      gemm<kTallRows, kTallVecs>(nk, dvp, nr, p, 1, kKeyBlock, ph.dout + i0 * ph.dout_ld, ph.dout_ld, keys.dv, dvp, true);
+      gemm<kTallRows, kTallVecs>(nk, dp, nr, w.ds, 1, kKeyBlock, ph.q + i0 * ph.q_ld, ph.q_ld, keys.dk, dp, true);
+      gemm<kTallRows, kTallVecs>(nr, dp, nk, w.ds, kKeyBlock, 1, keys.k, dp, dq_part, dp, !dq_first);
       return;
     }
     if (plan_.tiles) {
 #if defined(ATTNKIT_ISA_avx512amx)
-      transposed_grads_on_tiles(ph, i0, nr_pairs, nk_pad, w);
+      transposed_grads_on_tiles(ph, i0, nr_pairs, nk_pad, keys, w);
 #endif
     } else {
       gemm_pairs<kTallRows, kTallVecs>(nk, dvp, nr_pairs, w.p_rows, 1, kKeyBlock, ph.dout_row_pairs + i0 / 2 * dvp,
-                                       dvp, w.dv, dvp, true);
+                                       dvp, keys.dv, dvp, true);
       gemm_pairs<kTallRows, kTallVecs>(nk, dp, nr_pairs, w.ds_rows, 1, kKeyBlock, ph.q_row_pairs + i0 / 2 * dp, dp,
-                                       w.dk, dp, true);
+                                       keys.dk, dp, true);
     }
     gemm_pairs<kTallRows, kTallVecs>(nr, dp, (nk + 1) / 2, reinterpret_cast<const uint32_t*>(w.ds_keys), kKeyBlock / 2,
-                                     1, w.k_rows, dp, dq_part, dp, !dq_first);
+                                     1, keys.k_rows, dp, dq_part, dp, !dq_first);
   }
 
 #if defined(ATTNKIT_ISA_avx512amx)
@@ -581,15 +608,15 @@ class Backward {
   // operands in their slabs, so nothing is transposed per block. The row pairs up to whole
   // tiles are zeroed in P and dS, as are the keys nk .. nk_pad (masked).
   void transposed_grads_on_tiles(const PreparedHead& ph, int64_t i0, int64_t nr_pairs, int64_t nk_pad,
-                                 const BackwardWorkspace& w) const {
+                                 const PackedKeys& keys, const BackwardWorkspace& w) const {
     const int64_t dp = plan_.d_pad, dvp = plan_.dv_pad;
     const int64_t k_pairs = round_up(nr_pairs, kAmxTile), slab = i0 / (2 * kSlabPairs);
     std::memset(w.p_rows + nr_pairs * kKeyBlock, 0, sizeof(uint32_t) * (k_pairs - nr_pairs) * kKeyBlock);
     std::memset(w.ds_rows + nr_pairs * kKeyBlock, 0, sizeof(uint32_t) * (k_pairs - nr_pairs) * kKeyBlock);
     amx_configure();
     gemm_amx_bf16(dvp, nk_pad, k_pairs, ph.dout_row_pairs + slab * kSlabPairs * dvp, kSlabPairs, w.p_rows, kKeyBlock,
-                  w.dv, kKeyBlock, true, kSlabPairs * dvp);
-    gemm_amx_bf16(dp, nk_pad, k_pairs, ph.q_row_pairs + slab * kSlabPairs * dp, kSlabPairs, w.ds_rows, kKeyBlock, w.dk,
+                  keys.dv, kKeyBlock, true, kSlabPairs * dvp);
+    gemm_amx_bf16(dp, nk_pad, k_pairs, ph.q_row_pairs + slab * kSlabPairs * dp, kSlabPairs, w.ds_rows, kKeyBlock, keys.dk,
                   kKeyBlock, true, kSlabPairs * dp);
   }
 #endif

@@ -715,16 +715,19 @@ def test_modifiers_with_dropout(rng):
     ("bottom_right", 72, 40, {"sinks": np.array([0.5, -1.0, 2.0, 0.0], np.float32), "softcap": 3.0}),
     (True, 33, 17, {"window": (-1, 50), "alibi_slopes": np.array([0.1, 0.0, 0.3, 0.05], np.float32)}),
 ])
-def test_many_blocks_every_isa(isa, dtype, causal, D, Dv, mods):
+@pytest.mark.parametrize("batch", [1, 8])
+def test_many_blocks_every_isa(isa, dtype, causal, D, Dv, mods, batch):
     """Several key blocks (192 keys), row blocks (96 rows) and slabs of 32 query rows, a
     causal offset that is no multiple of 32 (Skv - Sq = 184), a last slab only partly filled
     (Sq = 333), whole and partial AMX tiles (D = 128, 72, 33), modifiers (the non-plain
     pass), GQA: the edges of each ISA's layouts, avx512amx's slabs of Qᵀ and dOᵀ and its dKᵀ,
-    dVᵀ accumulators included."""
+    dVᵀ accumulators included. Batch 1 splits the 3 key blocks into 3 tasks per kv head;
+    batch 8 (16 kv heads) keeps them in one, whose first two blocks run together (one query
+    block after the other) and whose third runs alone."""
     rng = np.random.default_rng(11)
     Sq, Skv = 333, 517
-    q, k = randn(rng, (1, 4, Sq, D), dtype), randn(rng, (1, 2, Skv, D), dtype)
-    v = randn(rng, (1, 2, Skv, Dv), dtype)
+    q, k = randn(rng, (batch, 4, Sq, D), dtype), randn(rng, (batch, 2, Skv, D), dtype)
+    v = randn(rng, (batch, 2, Skv, Dv), dtype)
     kw = dict(causal=causal, enable_gqa=True, **mods)
     out, lse = forward(q, k, v, **kw)
     dout = randn(rng, out.shape, dtype)
