@@ -670,21 +670,19 @@ class Backward {
     const vfloat scale_log2e = vbroadcast(p_.scale * kLog2e);
     vfloat lane{};
     for (int l = 0; l < kLanes; ++l) lane[l] = static_cast<float>(l);
-    auto rows = [&]<int kRows>(int64_t r) {
-      vfloat c[2], neg_lse_log2e[2];
-      int64_t lo[2] = {}, hi[2] = {};
-      for (int k = 0; k < kRows; ++k) {
-        const int64_t i = i0 + r + k;
-        c[k] = vbroadcast(ph.c[i]), neg_lse_log2e[k] = vbroadcast(ph.lse[i] * -kLog2e);
-        if (ph.lse[i] != -INFINITY) std::tie(lo[k], hi[k]) = visible_keys(i + p_.causal_offset, j0, bc);
-      }
+    // kMasked: some of the keys 0 .. nk_pad-1 are hidden from a row (or all: lse = -inf);
+    // rows that see them all skip the key mask (most blocks of a long causal call).
+    auto rows = [&]<int kRows, bool kMasked>(int64_t r, const vfloat* c, const vfloat* neg_lse_log2e,
+                                             const int64_t* lo, const int64_t* hi) {
       uint16_t* ds_keys = w.ds_keys + r * kKeyBlock;
       for (int64_t jj = 0; jj < nk_pad; jj += kLanes) {
         const vfloat key = lane + static_cast<float>(jj);
         vfloat e[2] = {}, ds[2] = {};
         for (int k = 0; k < kRows; ++k) {
           const int64_t at = (r + k) * kKeyBlock + jj;
-          e[k] = visible_exp(vload(w.e + at), scale_log2e, neg_lse_log2e[k], key, lo[k], hi[k]);
+          const vfloat s = vload(w.e + at);
+          e[k] = kMasked ? visible_exp(s, scale_log2e, neg_lse_log2e[k], key, lo[k], hi[k])
+                         : vexp2(s * scale_log2e + neg_lse_log2e[k]);
           ds[k] = e[k] * (vload(w.ds + at) - c[k]);
         }
         const vuint p_pair = bf16_pairs(e[0], e[1]);
@@ -695,8 +693,19 @@ class Backward {
       }
     };
     for (int64_t r = r_begin; r < r_end; r += 2) {
-      if (r_end - r > 1) rows.template operator()<2>(r);
-      else rows.template operator()<1>(r);
+      const int n = r_end - r > 1 ? 2 : 1;
+      vfloat c[2], neg_lse_log2e[2];
+      int64_t lo[2] = {}, hi[2] = {};
+      bool masked = false;
+      for (int k = 0; k < n; ++k) {
+        const int64_t i = i0 + r + k;
+        c[k] = vbroadcast(ph.c[i]), neg_lse_log2e[k] = vbroadcast(ph.lse[i] * -kLog2e);
+        if (ph.lse[i] != -INFINITY) std::tie(lo[k], hi[k]) = visible_keys(i + p_.causal_offset, j0, bc);
+        masked = masked || lo[k] > 0 || hi[k] < nk_pad;
+      }
+      if (n == 1) rows.template operator()<1, true>(r, c, neg_lse_log2e, lo, hi);
+      else if (masked) rows.template operator()<2, true>(r, c, neg_lse_log2e, lo, hi);
+      else rows.template operator()<2, false>(r, c, neg_lse_log2e, lo, hi);
     }
   }
 
