@@ -51,16 +51,19 @@ float from_bits(uint32_t u) {
   return x;
 }
 
-// Every edge tile of an MR × NV register tiling, A read row-major or transposed
-// (a_step != 1), accumulating or not, against a float64 reference.
+using GemmFn = void (*)(int64_t, int64_t, int64_t, const float*, int64_t, int64_t, const float*, int64_t, float*,
+                       int64_t, bool);
+
+// Every edge tile of an MR × NV register tiling (run by `run`, gemm<MR, NV> unless given), A
+// read row-major or transposed (a_step != 1), accumulating or not, against a float64 reference.
 template <int MR, int NV>
-void check_gemm(bool a_transposed) {
+void check_gemm(bool a_transposed, GemmFn run = &gemm<MR, NV>) {
   std::mt19937 gen(7);
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
   const int64_t block_cols = NV * kLanes;
   for (int64_t m : {int64_t{1}, int64_t{MR - 1}, int64_t{MR}, int64_t{MR + 1}, int64_t{2 * MR + 3}}) {
     if (m < 1) continue;
-    for (int64_t n : {int64_t{kLanes}, block_cols, block_cols + kLanes, 3 * block_cols - kLanes}) {
+    for (int64_t n : {int64_t{kLanes}, int64_t{2 * kLanes}, block_cols, block_cols + kLanes, 3 * block_cols - kLanes}) {
       for (int64_t k : {1, 7, 64, 129}) {
         for (bool accumulate : {false, true}) {
           // Padded strides; a(i, p) = a[i * lda + p * a_step].
@@ -71,7 +74,7 @@ void check_gemm(bool a_transposed) {
           for (auto& x : b) x = dist(gen);
           for (auto& x : c) x = dist(gen);
           c0 = c;
-          gemm<MR, NV>(m, n, k, a.data(), lda, a_step, b.data(), ldb, c.data(), ldc, accumulate);
+          run(m, n, k, a.data(), lda, a_step, b.data(), ldb, c.data(), ldc, accumulate);
           for (int64_t i = 0; i < m; ++i) {
             for (int64_t j = 0; j < ldc; ++j) {
               if (j >= n) {  // outside the n columns nothing is written
@@ -100,6 +103,14 @@ ISA_TEST(Gemm, WideTilesMatchFloat64Reference) {
   SKIP_UNLESS_RUNNABLE();
   check_gemm<kWideRows, kWideVecs>(false);
   check_gemm<kWideRows, kWideVecs>(true);
+}
+
+// gemm_wide: on AVX-512 8 × 3 tiles where C has at most 3 vectors of columns (m and n around
+// those tiles' edges), the wide tiles beyond; elsewhere the wide tiles throughout.
+ISA_TEST(Gemm, GemmWideMatchesFloat64Reference) {
+  SKIP_UNLESS_RUNNABLE();
+  check_gemm<8, 3>(false, &gemm_wide);
+  check_gemm<8, 3>(true, &gemm_wide);
 }
 
 // The bf16-B overload: B's rows read in place as bf16 (NaN-padded beyond n, so reading past

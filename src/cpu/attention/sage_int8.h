@@ -125,7 +125,7 @@ void AttentionTask<T, TK>::qk_int8(const RowBlock& rb, int64_t j0, int64_t bc, c
     for (int64_t d = 0; d < p_.D; ++d)
       w.k[j * p_.D + d] = static_cast<float>(int32_t{codes[j * 4 * quads + d]} - 128);
   }
-  gemm<kWideRows, kWideVecs>(bc, ld, p_.D, w.k, p_.D, 1, w.qt, ld, w.st, ld, false);
+  gemm_wide(bc, ld, p_.D, w.k, p_.D, 1, w.qt, ld, w.st, ld, false);
   for (int64_t r = 0; r < ld; r += kLanes) {
     const vfloat scale = vload(w.q_scale + r) * k_scale;
     for (int64_t j = 0; j < bc; ++j) vstore(w.st + j * ld + r, vload(w.st + j * ld + r) * scale);

@@ -59,12 +59,12 @@ void AttentionTask<T, TK>::attend(const RowBlock& rb, int64_t begin, int64_t end
       if (!fused_pairs) scale_row(w.st, bc * ld, rb.scale);
     } else if (rb.mode->k_in_place) {  // Sᵀ = K · Qᵀ, a gemm per run of rows at one stride
       krows.for_each_run(j0, bc, [&](const EK* k, int64_t first, int64_t n) {
-        gemm<kWideRows, kWideVecs>(n, ld, p_.D, reinterpret_cast<const float*>(k), krows.stride, 1, w.qt, ld,
+        gemm_wide(n, ld, p_.D, reinterpret_cast<const float*>(k), krows.stride, 1, w.qt, ld,
                                    w.st + first * ld, ld, false);
       });
     } else {
       pack_rows(krows, j0, bc, p_.k_stride[3], p_.D, p_.D, w.k);
-      gemm<kWideRows, kWideVecs>(bc, ld, p_.D, w.k, p_.D, 1, w.qt, ld, w.st, ld, false);
+      gemm_wide(bc, ld, p_.D, w.k, p_.D, 1, w.qt, ld, w.st, ld, false);
     }
     apply_score_mods(rb, j0, bc, scores, w);
     apply_masks(rb, j0, bc, scores);
@@ -131,7 +131,7 @@ void AttentionTask<T, TK>::accumulate_pv(const RowBlock& rb, const KvRows<EK>& v
     const float* pf = p.s + first * p.key_stride;
     if (o_transposed(rb)) {  // Oᵀ += Vᵀ · Pᵀ (V is fp32 here)
       if constexpr (std::is_same_v<std::remove_cv_t<std::remove_pointer_t<decltype(v)>>, float>) {
-        gemm<kWideRows, kWideVecs>(plan_.dv_pad, plan_.rows_pad, n, v, 1, ldv, pf, p.key_stride, w.ot,
+        gemm_wide(plan_.dv_pad, plan_.rows_pad, n, v, 1, ldv, pf, p.key_stride, w.ot,
                                    plan_.rows_pad, true);
       }
     } else if (rb.mode->key_blocks) {

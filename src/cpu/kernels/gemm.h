@@ -98,6 +98,17 @@ void gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, int64_t 
   });
 }
 
+// gemm<kWideRows, kWideVecs> for C with many columns; with at most 3 vectors of columns (the
+// forward's 48 query rows as the SIMD axis) taller tiles of 8 rows × 3 vectors, so that 24
+// accumulators stay busy rather than 12.
+inline void gemm_wide(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, int64_t a_step,
+                      const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+#if defined(ATTNKIT_ISA_avx512)
+  if (n <= 3 * kLanes) return gemm<8, 3>(m, n, k, a, lda, a_step, b, ldb, c, ldc, accumulate);
+#endif
+  gemm<kWideRows, kWideVecs>(m, n, k, a, lda, a_step, b, ldb, c, ldc, accumulate);
+}
+
 // The same with B's rows in bf16, read in place (n a multiple of 2·kLanes; tiles of NV / 2
 // pairs of vectors); C's columns come out in split order: within each 2·kLanes block, the
 // even columns, then the odd ones (split_bf16_column maps them back).
