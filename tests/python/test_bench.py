@@ -206,33 +206,3 @@ def test_path_peak_mixes_measured_rates():
     assert math.isnan(m.path_peak("fp16 FMA", 1)) and math.isnan(m.path_peak("fp32 FMA", 2))
     assert path_label((("vpdpbusd", 1), ("vdpbf16ps", 1))) == "vpdpbusd+vdpbf16ps"
     assert "fp16 FMA n/a" in m.peaks_text() and "vpdpbusd 1 thr 400 GOP/s" in m.peaks_text()
-
-
-_REALLOCATE = """
-import resource, sys
-import numpy as np
-from attnkit.bench.runner import keep_freed_memory
-if sys.argv[1] == "keep" and not keep_freed_memory():
-    print("not glibc"); sys.exit(0)
-a = np.ones(64 << 20, np.uint8)
-del a
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-b = np.ones(64 << 20, np.uint8)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-"""
-
-
-def test_freed_memory_is_kept_for_the_next_allocation():
-    """Protocol step 8: with keep_freed_memory a 64 MiB array allocated again after one was
-    freed reuses the pages the process holds (no page faults); without it glibc unmaps the
-    first and the second faults its pages in anew (32 huge or 16,384 small pages)."""
-    def faults(mode):
-        res = subprocess.run([sys.executable, "-c", _REALLOCATE, mode], capture_output=True, text=True,
-                             timeout=120)
-        assert res.returncode == 0, res.stderr
-        return res.stdout.strip()
-    kept = faults("keep")
-    if kept == "not glibc":
-        pytest.skip("keep_freed_memory applies to glibc only")
-    assert int(kept) <= 4, kept
-    assert int(faults("default")) >= 32

@@ -131,7 +131,7 @@ def main(argv=None) -> int:
         parser.error("nothing to run: " + "; ".join(notes))
 
     from .machine import cores
-    from .runner import Progress, Settings, keep_freed_memory, run
+    from .runner import Progress, Settings, run
 
     all_cores = cores()
     try:
@@ -158,9 +158,6 @@ def main(argv=None) -> int:
     from . import machine as machine_mod
     from .report import format_tables, write_csv, write_plot
 
-    if keep_freed_memory():
-        notes.append("allocator: glibc keeps freed memory in the process (no mmap, no trim), so "
-                     "outputs allocated per call do not fault in pages a peer freed (docs/BENCH.md step 8)")
     progress = Progress(enabled=not args.no_progress)
     t0 = time.perf_counter()
     mach = machine_mod.measure(threads, progress)

@@ -116,24 +116,6 @@ class Progress:
         self.stream.flush()
 
 
-def keep_freed_memory() -> bool:
-    """Step 8 of docs/BENCH.md: glibc serves every allocation from the process's heap and never
-    hands freed memory back (mallopt M_MMAP_MAX 0, M_TRIM_THRESHOLD at its largest), so an
-    output allocated per call reuses pages the process holds rather than faulting in new ones,
-    whichever contender ran before. On a VM that reports free pages to its host (virtio-balloon),
-    pages a peer freed cost host faults when touched again: sparse MLA's B row took 1.1-1.2 s
-    instead of 0.75 right after the torch reference, its 134 MB output's page faults a quarter
-    of the call (X6). Returns whether it applied (glibc only)."""
-    import ctypes
-    import platform
-
-    if platform.libc_ver()[0] != "glibc":
-        return False
-    libc = ctypes.CDLL(None)
-    m_trim_threshold, m_mmap_max = -1, -4  # malloc.h
-    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
-
-
 def input_sets_needed(input_bytes: int, llc_bytes: int, max_sets: int) -> int:
     """Rotate input sets when one set would stay in cache between calls (docs/BENCH.md step 3)."""
     if input_bytes <= 0:
