@@ -268,7 +268,7 @@ class Indexer {
       for (int64_t t = 0; t < nr; ++t) emit(t, j, s.st[t * kKeyTile + j] * s.kscale[j]);
     }
 #else
-    gemm<kWideRows, kTallVecs>(n, nr * hpad_, p_.d, s.kt, p_.d, 1, s.qt, cols_, s.st, cols_, false);
+    gemm<kTallRows, kTallVecs>(n, nr * hpad_, p_.d, s.kt, p_.d, 1, s.qt, cols_, s.st, cols_, false);
     for (int64_t j = 0; j < n; ++j) {
       const float* row = s.st + j * cols_;
       for (int64_t t = 0; t < nr; ++t) {

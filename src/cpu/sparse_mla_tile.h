@@ -188,7 +188,7 @@ class SparseMlaTask {
         for (int64_t i = 0; i < bc * ld; i += kLanes) vstore(st + i, vload(st + i) * scale);
       }
 #else  // Sᵀ = KV · Qᵀ
-      gemm<kWideRows, kTallVecs>(bc, ld, p_.d_qk, scratch, plan_.d_pad, 1, qt, ld, st, ld, false);
+      gemm<kTallRows, kTallVecs>(bc, ld, p_.d_qk, scratch, plan_.d_pad, 1, qt, ld, st, ld, false);
 #endif
       if (!fused_pairs) online_softmax_tile(st, bc, ld, ld, m, l, alpha);
       for (int64_t r = 0; r < nh; ++r) {
