@@ -59,8 +59,8 @@ void AttentionTask<T, TK>::attend(const RowBlock& rb, int64_t begin, int64_t end
       if (!fused_pairs) scale_row(w.st, bc * ld, rb.scale);
     } else if (rb.mode->k_in_place) {  // Sᵀ = K · Qᵀ, a gemm per run of rows at one stride
       krows.for_each_run(j0, bc, [&](const EK* k, int64_t first, int64_t n) {
-        gemm_wide(n, ld, p_.D, reinterpret_cast<const float*>(k), krows.stride, 1, w.qt, ld,
-                                   w.st + first * ld, ld, false);
+        gemm_wide(n, ld, p_.D, reinterpret_cast<const float*>(k), krows.stride, 1, w.qt, ld, w.st + first * ld, ld,
+                  false);
       });
     } else {
       pack_rows(krows, j0, bc, p_.k_stride[3], p_.D, p_.D, w.k);
@@ -131,8 +131,7 @@ void AttentionTask<T, TK>::accumulate_pv(const RowBlock& rb, const KvRows<EK>& v
     const float* pf = p.s + first * p.key_stride;
     if (o_transposed(rb)) {  // Oᵀ += Vᵀ · Pᵀ (V is fp32 here)
       if constexpr (std::is_same_v<std::remove_cv_t<std::remove_pointer_t<decltype(v)>>, float>) {
-        gemm_wide(plan_.dv_pad, plan_.rows_pad, n, v, 1, ldv, pf, p.key_stride, w.ot,
-                                   plan_.rows_pad, true);
+        gemm_wide(plan_.dv_pad, plan_.rows_pad, n, v, 1, ldv, pf, p.key_stride, w.ot, plan_.rows_pad, true);
       }
     } else if (rb.mode->key_blocks) {
       gemm<kRowRows, kRowVecs>(rb.rows, plan_.dv_pad, n, pf, p.row_stride, p.key_stride, v, ldv, w.o,
