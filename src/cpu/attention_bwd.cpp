@@ -73,26 +73,31 @@ static_assert(kSlabPairs == kAmxTile);
 constexpr bool kAmx = false;
 #endif
 
-// gemm_bf16 where the ISA has it (callers use it only when kDotProducts). On avx512amx the
-// whole tiles of rows go to AMX tiles where A's pairs are contiguous (a_step 1) and n and
-// the pairs fill whole tiles; the last rows, and other shapes, stay on gemm_bf16.
-template <int MR, int NV>
+// gemm_bf16 where the ISA has it (callers use it only when kDotProducts), each tile over its
+// rows' band of pairs. On avx512amx the whole tiles of rows go to AMX tiles (over all pairs)
+// where A's pairs are contiguous (a_step 1) and n and the pairs fill whole tiles; the last
+// rows, and other shapes, stay on gemm_bf16.
+template <int MR, int NV, class Band = NoBand>
 void gemm_pairs(int64_t m, int64_t n, int64_t pairs, const uint32_t* a, int64_t lda, int64_t a_step,
-                const uint32_t* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+                const uint32_t* b, int64_t ldb, float* c, int64_t ldc, bool accumulate, Band band = {}) {
+  int64_t m0 = 0;
 #if defined(ATTNKIT_ISA_avx512amx)
-  const int64_t whole = m / kAmxTile * kAmxTile;
-  if (whole > 0 && n % kAmxTile == 0 && pairs % kAmxTile == 0 && a_step == 1) {
+  m0 = m / kAmxTile * kAmxTile;
+  if (m0 > 0 && n % kAmxTile == 0 && pairs % kAmxTile == 0 && a_step == 1) {
     amx_configure();
-    gemm_amx_bf16(whole, n, pairs, a, lda, b, ldb, c, ldc, accumulate);
-    if (whole == m) return;
-    a += whole * lda, c += whole * ldc, m -= whole;
+    gemm_amx_bf16(m0, n, pairs, a, lda, b, ldb, c, ldc, accumulate);
+  } else {
+    m0 = 0;
   }
 #endif
 #if defined(ATTNKIT_ISA_avx512bf16)
-  gemm_bf16<MR, NV>(m, n, pairs, a, lda, a_step, b, ldb, c, ldc, accumulate);
+  auto rest_band = [&](int64_t r0, int64_t r1) { return band(m0 + r0, m0 + r1); };
+  if (m0 < m) {
+    gemm_bf16<MR, NV>(m - m0, n, pairs, a + m0 * lda, lda, a_step, b, ldb, c + m0 * ldc, ldc, accumulate, rest_band);
+  }
 #else
   (void)m, (void)n, (void)pairs, (void)a, (void)lda, (void)a_step, (void)b, (void)ldb, (void)c, (void)ldc,
-      (void)accumulate;
+      (void)accumulate, (void)band, (void)m0;
 #endif
 }
 
@@ -526,6 +531,34 @@ class Backward {
     return {lo, hi};
   }
 
+  // P = dS = 0 in the gradient products' operands for the rows r0 .. r1-1 (r0 even) at the
+  // keys k0 .. k1-1, which none of them sees (S and dP were not computed there).
+  void zero_hidden_keys(int64_t r0, int64_t r1, int64_t k0, int64_t k1, const BackwardWorkspace& w) const {
+    if (k0 >= k1) return;
+    auto clear = [&](auto* rows, int64_t n) {
+      for (int64_t r = 0; r < n; ++r) std::memset(rows + r * kKeyBlock + k0, 0, sizeof(*rows) * (k1 - k0));
+    };
+    if (plan_.pairs) {
+      clear(w.p_rows + r0 / 2 * kKeyBlock, (r1 - r0 + 1) / 2);
+      clear(w.ds_rows + r0 / 2 * kKeyBlock, (r1 - r0 + 1) / 2);
+      clear(w.ds_keys + r0 * kKeyBlock, r1 - r0);
+    } else {
+      clear((p_.dropout_p > 0.0f || p_.sinks ? w.pd : w.e) + r0 * kKeyBlock, r1 - r0);
+      clear(w.ds + r0 * kKeyBlock, r1 - r0);
+    }
+  }
+
+  // The rows [first, end) of the query block at i0 (nr rows) that see some key of j0 + [k0,
+  // k1): the causal limit and the right window bound them below, the left window above.
+  std::pair<int64_t, int64_t> rows_seeing(int64_t i0, int64_t nr, int64_t j0, int64_t k0, int64_t k1) const {
+    const int64_t a0 = i0 + p_.causal_offset;  // the block's first aligned query position
+    int64_t first = 0, end = nr;
+    if (p_.causal) first = std::max(first, j0 + k0 - a0);
+    if (p_.window_right >= 0) first = std::max(first, j0 + k0 - p_.window_right - a0);
+    if (p_.window_left >= 0) end = std::min(end, j0 + k1 + p_.window_left - a0);
+    return {std::min(first, nr), end};
+  }
+
   // E = 2^(S·scale·log2e - lse·log2e) = e^(S·scale - lse) for the keys (block offsets `key`,
   // lanes) in [lo, hi); 0 elsewhere (also where S is NaN there: never read for them).
   static vfloat visible_exp(vfloat s, vfloat scale_log2e, vfloat neg_lse_log2e, vfloat key, int64_t lo,
@@ -556,50 +589,68 @@ class Backward {
     // L1 when the vector code reads them.
     for (int64_t r0 = 0; r0 < nr; r0 += kScoreRows) {
       const int64_t r1 = std::min(nr, r0 + kScoreRows);
-      // S = Q·Kᵀ and dP = dO·Vᵀ
+      // S = Q·Kᵀ and dP = dO·Vᵀ for the keys these rows see (whole vectors)
+      const int64_t nk_rows = round_up(visible_keys(i0 + r1 - 1 + p_.causal_offset, j0, bc).second, kLanes);
       float* s = w.e + r0 * kKeyBlock;
       float* dprob = w.ds + r0 * kKeyBlock;
       if (plan_.pairs) {
-        gemm_pairs<kWideRows, kWideVecs>(r1 - r0, nk_pad, plan_.d_pairs, ph.q_pairs + (i0 + r0) * ph.q_ld, ph.q_ld,
+        gemm_pairs<kWideRows, kWideVecs>(r1 - r0, nk_rows, plan_.d_pairs, ph.q_pairs + (i0 + r0) * ph.q_ld, ph.q_ld,
                                          1, keys.kt_pairs, kKeyBlock, s, kKeyBlock, false);
-        gemm_pairs<kWideRows, kWideVecs>(r1 - r0, nk_pad, plan_.dv_pairs, ph.dout_pairs + (i0 + r0) * ph.dout_ld,
+        gemm_pairs<kWideRows, kWideVecs>(r1 - r0, nk_rows, plan_.dv_pairs, ph.dout_pairs + (i0 + r0) * ph.dout_ld,
                                          ph.dout_ld, 1, keys.vt_pairs, kKeyBlock, dprob, kKeyBlock, false);
       } else {
-        gemm<kWideRows, kWideVecs>(r1 - r0, nk_pad, p_.D, ph.q + (i0 + r0) * ph.q_ld, ph.q_ld, 1, keys.kt, kKeyBlock, s,
-                                   kKeyBlock, false);
-        gemm<kWideRows, kWideVecs>(r1 - r0, nk_pad, p_.Dv, ph.dout + (i0 + r0) * ph.dout_ld, ph.dout_ld, 1, keys.vt,
+        gemm<kWideRows, kWideVecs>(r1 - r0, nk_rows, p_.D, ph.q + (i0 + r0) * ph.q_ld, ph.q_ld, 1, keys.kt, kKeyBlock,
+                                   s, kKeyBlock, false);
+        gemm<kWideRows, kWideVecs>(r1 - r0, nk_rows, p_.Dv, ph.dout + (i0 + r0) * ph.dout_ld, ph.dout_ld, 1, keys.vt,
                                    kKeyBlock, dprob, kKeyBlock, false);
       }
       if (plain) {
-        p_and_ds_plain(ph, i0, r0, r1, j0, bc, nk_pad, w);
+        p_and_ds_plain(ph, i0, r0, r1, j0, bc, nk_rows, w);
       } else {
-        scores(b, h, ph, i0, r0, r1, j0, bc, nk_pad, w);
-        if (dropout) apply_dropout(b, h, i0, r0, r1, j0, nk_pad, w);
-        p_and_ds(ph, i0, r0, r1, nk_pad, w);
+        scores(b, h, ph, i0, r0, r1, j0, bc, nk_rows, w);
+        if (dropout) apply_dropout(b, h, i0, r0, r1, j0, nk_rows, w);
+        p_and_ds(ph, i0, r0, r1, nk_rows, w);
       }
+      zero_hidden_keys(r0, r1, nk_rows, nk_pad, w);
     }
 
     // dV += Pᵀ·dO (with tiles dVᵀ += dOᵀ·P), dK += dSᵀ·Q (dKᵀ += Qᵀ·dS) and dQ += dS·K (the
-    // last two times scale when stored).
+    // last two times scale when stored). Off AMX, each register tile sums only over the rows
+    // that see its keys (dV, dK) or the keys its rows see (dQ): the causal triangle's zeros
+    // are skipped.
+    auto rows = [&](int64_t k0, int64_t k1) { return rows_seeing(i0, nr, j0, k0, k1); };
+    auto keys_seen = [&](int64_t r0, int64_t r1) {
+      const int64_t a0 = i0 + r0 + p_.causal_offset, a1 = i0 + r1 - 1 + p_.causal_offset;
+      return std::pair{visible_keys(a0, j0, bc).first, visible_keys(a1, j0, bc).second};
+    };
     if (!plan_.pairs) {
       const float* p = (dropout || p_.sinks) ? w.pd : w.e;
-      gemm<kTallRows, kTallVecs>(nk, dvp, nr, p, 1, kKeyBlock, ph.dout + i0 * ph.dout_ld, ph.dout_ld, keys.dv, dvp, true);
-      gemm<kTallRows, kTallVecs>(nk, dp, nr, w.ds, 1, kKeyBlock, ph.q + i0 * ph.q_ld, ph.q_ld, keys.dk, dp, true);
-      gemm<kTallRows, kTallVecs>(nr, dp, nk, w.ds, kKeyBlock, 1, keys.k, dp, dq_part, dp, !dq_first);
+      gemm<kTallRows, kTallVecs>(nk, dvp, nr, p, 1, kKeyBlock, ph.dout + i0 * ph.dout_ld, ph.dout_ld, keys.dv, dvp,
+                                 true, rows);
+      gemm<kTallRows, kTallVecs>(nk, dp, nr, w.ds, 1, kKeyBlock, ph.q + i0 * ph.q_ld, ph.q_ld, keys.dk, dp, true, rows);
+      gemm<kTallRows, kTallVecs>(nr, dp, nk, w.ds, kKeyBlock, 1, keys.k, dp, dq_part, dp, !dq_first, keys_seen);
       return;
     }
+    auto row_pairs = [&](int64_t k0, int64_t k1) {
+      const auto [first, end] = rows(k0, k1);
+      return std::pair{first / 2, (end + 1) / 2};
+    };
+    auto key_pairs = [&](int64_t r0, int64_t r1) {
+      const auto [lo, hi] = keys_seen(r0, r1);
+      return std::pair{lo / 2, (hi + 1) / 2};
+    };
     if (plan_.tiles) {
 #if defined(ATTNKIT_ISA_avx512amx)
       transposed_grads_on_tiles(ph, i0, nr_pairs, nk_pad, keys, w);
 #endif
     } else {
       gemm_pairs<kTallRows, kTallVecs>(nk, dvp, nr_pairs, w.p_rows, 1, kKeyBlock, ph.dout_row_pairs + i0 / 2 * dvp,
-                                       dvp, keys.dv, dvp, true);
+                                       dvp, keys.dv, dvp, true, row_pairs);
       gemm_pairs<kTallRows, kTallVecs>(nk, dp, nr_pairs, w.ds_rows, 1, kKeyBlock, ph.q_row_pairs + i0 / 2 * dp, dp,
-                                       keys.dk, dp, true);
+                                       keys.dk, dp, true, row_pairs);
     }
     gemm_pairs<kTallRows, kTallVecs>(nr, dp, (nk + 1) / 2, reinterpret_cast<const uint32_t*>(w.ds_keys), kKeyBlock / 2,
-                                     1, keys.k_rows, dp, dq_part, dp, !dq_first);
+                                     1, keys.k_rows, dp, dq_part, dp, !dq_first, key_pairs);
   }
 
 #if defined(ATTNKIT_ISA_avx512amx)

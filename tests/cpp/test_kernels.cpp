@@ -54,10 +54,16 @@ float from_bits(uint32_t u) {
 using GemmFn = void (*)(int64_t, int64_t, int64_t, const float*, int64_t, int64_t, const float*, int64_t, float*,
                        int64_t, bool);
 
+template <int MR, int NV>
+void gemm_unbanded(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, int64_t a_step, const float* b,
+                   int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  gemm<MR, NV>(m, n, k, a, lda, a_step, b, ldb, c, ldc, accumulate);
+}
+
 // Every edge tile of an MR × NV register tiling (run by `run`, gemm<MR, NV> unless given), A
 // read row-major or transposed (a_step != 1), accumulating or not, against a float64 reference.
 template <int MR, int NV>
-void check_gemm(bool a_transposed, GemmFn run = &gemm<MR, NV>) {
+void check_gemm(bool a_transposed, GemmFn run = &gemm_unbanded<MR, NV>) {
   std::mt19937 gen(7);
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
   const int64_t block_cols = NV * kLanes;
@@ -111,6 +117,65 @@ ISA_TEST(Gemm, GemmWideMatchesFloat64Reference) {
   SKIP_UNLESS_RUNNABLE();
   check_gemm<8, 3>(false, &gemm_wide);
   check_gemm<8, 3>(true, &gemm_wide);
+}
+
+// A banded A (a causal triangle): row i is non-zero at p in [lo(i), hi(i)), both growing
+// with i; band(m0, m1) = [lo(m0), hi(m1 - 1)) reaches below 0, past k, or is empty. Each
+// tile may read only its band: A holds zeros inside it outside the row's own range and NaN
+// outside it (reading there shows), and the result must match the float64 sum over the row.
+struct TestBand {
+  int64_t lo_slope, lo_shift, hi_slope, hi_shift;
+  int64_t lo(int64_t i) const { return lo_slope * i + lo_shift; }
+  int64_t hi(int64_t i) const { return hi_slope * i + hi_shift; }
+  std::pair<int64_t, int64_t> operator()(int64_t m0, int64_t m1) const { return {lo(m0), hi(m1 - 1)}; }
+};
+constexpr TestBand kTestBands[] = {{2, -4, 3, 1}, {1, 0, 4, -20}, {0, 3, 0, 1000}};
+
+template <int MR, int NV>
+void check_gemm_banded(bool a_transposed) {
+  std::mt19937 gen(11);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  for (const TestBand& band : kTestBands) {
+    for (int64_t m : {int64_t{1}, int64_t{MR + 1}, int64_t{2 * MR + 3}}) {
+      for (int64_t n : {int64_t{kLanes}, int64_t{NV * kLanes + kLanes}}) {
+        for (int64_t k : {1, 7, 64}) {
+          for (bool accumulate : {false, true}) {
+            const int64_t lda = a_transposed ? 1 : k + 3, a_step = a_transposed ? m + 2 : 1;
+            const int64_t ldb = n + kLanes, ldc = n;
+            std::vector<float> a((m + 2) * (k + 3), NAN), b(k * ldb), c(m * ldc), c0;
+            for (int64_t i = 0; i < m; ++i) {
+              const int64_t m0 = i / MR * MR;
+              const auto [p0, p1] = band(m0, std::min(m, m0 + MR));
+              for (int64_t p = std::max<int64_t>(p0, 0); p < std::min(p1, k); ++p) {
+                a[i * lda + p * a_step] = p >= band.lo(i) && p < band.hi(i) ? dist(gen) : 0.0f;
+              }
+            }
+            for (auto& x : b) x = dist(gen);
+            for (auto& x : c) x = dist(gen);
+            c0 = c;
+            gemm<MR, NV>(m, n, k, a.data(), lda, a_step, b.data(), ldb, c.data(), ldc, accumulate, band);
+            for (int64_t i = 0; i < m; ++i) {
+              for (int64_t j = 0; j < n; ++j) {
+                double ref = accumulate ? c0[i * ldc + j] : 0.0;
+                for (int64_t p = std::max<int64_t>(band.lo(i), 0); p < std::min(band.hi(i), k); ++p) {
+                  ref += double(a[i * lda + p * a_step]) * b[p * ldb + j];
+                }
+                ASSERT_NEAR(c[i * ldc + j], ref, 1e-5 * (k + 1))
+                    << MR << "x" << NV << " m=" << m << " n=" << n << " k=" << k << " at (" << i << ", " << j << ")";
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+ISA_TEST(Gemm, BandedTilesReadOnlyTheirBand) {
+  SKIP_UNLESS_RUNNABLE();
+  check_gemm_banded<kTallRows, kTallVecs>(false);
+  check_gemm_banded<kTallRows, kTallVecs>(true);
+  check_gemm_banded<kWideRows, kWideVecs>(false);
 }
 
 // The bf16-B overload: B's rows read in place as bf16 (NaN-padded beyond n, so reading past
@@ -907,6 +972,40 @@ ISA_TEST(GemmBf16, MatchesFloat64Reference) {
           for (int64_t j = 0; j < n; ++j) {
             const auto [ref, mag] = pairs_dot(a.data() + i * lda, b.data() + j, ldb, pairs, 0.0);
             ASSERT_NEAR(c[i * ldc + j], ref, 1e-6 * (mag + 1)) << "m=" << m << " n=" << n << " pairs=" << pairs;
+          }
+        }
+      }
+    }
+  }
+}
+
+// The same band contract on pairs (check_gemm_banded): NaN pairs outside each tile's band.
+ISA_TEST(GemmBf16, BandedTilesReadOnlyTheirBand) {
+  SKIP_UNLESS_RUNNABLE();
+  std::mt19937 gen(6);
+  std::normal_distribution<float> dist;
+  auto pair = [&] { return float_to_bfloat16(dist(gen)) | uint32_t{float_to_bfloat16(dist(gen))} << 16; };
+  constexpr int MR = kTallRows;
+  for (const TestBand& band : kTestBands) {
+    for (int64_t m : {1, MR + 1, 2 * MR + 3}) {
+      for (int64_t pairs : {1, 5, 64}) {
+        const int64_t n = 80, lda = pairs + 1, ldb = n + 16, ldc = n;
+        std::vector<uint32_t> a(m * lda, 0x7FC07FC0u), b(pairs * ldb);
+        for (int64_t i = 0; i < m; ++i) {
+          const int64_t m0 = i / MR * MR;
+          const auto [p0, p1] = band(m0, std::min<int64_t>(m, m0 + MR));
+          for (int64_t p = std::max<int64_t>(p0, 0); p < std::min(p1, pairs); ++p) {
+            a[i * lda + p] = p >= band.lo(i) && p < band.hi(i) ? pair() : 0u;
+          }
+        }
+        for (auto& x : b) x = pair();
+        std::vector<float> c(m * ldc, NAN);
+        gemm_bf16<MR, kTallVecs>(m, n, pairs, a.data(), lda, 1, b.data(), ldb, c.data(), ldc, false, band);
+        for (int64_t i = 0; i < m; ++i) {
+          const int64_t lo = std::max<int64_t>(band.lo(i), 0), hi = std::max(lo, std::min(band.hi(i), pairs));
+          for (int64_t j = 0; j < n; ++j) {
+            const auto [ref, mag] = pairs_dot(a.data() + i * lda + lo, b.data() + lo * ldb + j, ldb, hi - lo, 0.0);
+            ASSERT_NEAR(c[i * ldc + j], ref, 1e-6 * (mag + 1)) << "m=" << m << " pairs=" << pairs << " row " << i;
           }
         }
       }

@@ -89,12 +89,15 @@ struct GemmSplitBf16Kernel {
 };
 
 // c[m][n] (+)= a[m][k] · b[k][n] with a(i, p) = a[i * lda + p * a_step], in MR × NV-vector
-// register tiles; n must be a multiple of kLanes (callers pad B and C).
-template <int MR, int NV>
+// register tiles, each summing over its rows' band only (tiling.h); n must be a multiple of kLanes
+// (callers pad B and C).
+template <int MR, int NV, class Band = NoBand>
 void gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, int64_t a_step,
-          const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+          const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate, Band band = {}) {
   for_each_tile<GemmKernel, MR, NV>(m, n, kLanes, [&](auto tile, int64_t m0, int64_t n0) {
-    tile(k, a + m0 * lda, lda, a_step, b + n0, ldb, c + m0 * ldc + n0, ldc, accumulate);
+    const auto [p0, p1] = tile_range(band, m0, std::min<int64_t>(MR, m - m0), k);
+    tile(p1 - p0, a + m0 * lda + p0 * a_step, lda, a_step, b + p0 * ldb + n0, ldb, c + m0 * ldc + n0, ldc,
+         accumulate);
   });
 }
 

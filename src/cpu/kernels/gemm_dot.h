@@ -91,12 +91,15 @@ struct GemmDotKernel {
   static constexpr auto tile = &gemm_dot_tile<Dot, MR, NV>;
 };
 
-// c[m][n] (+)= A · B over k_pairs bf16 pairs; n a multiple of 16 (callers pad).
-template <int MR, int NV>
+// c[m][n] (+)= A · B over k_pairs bf16 pairs, each tile over its rows' band of pairs only
+// (tiling.h); n a multiple of 16 (callers pad).
+template <int MR, int NV, class Band = NoBand>
 void gemm_bf16(int64_t m, int64_t n, int64_t k_pairs, const uint32_t* a, int64_t lda, int64_t a_step,
-               const uint32_t* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+               const uint32_t* b, int64_t ldb, float* c, int64_t ldc, bool accumulate, Band band = {}) {
   for_each_tile<GemmDotKernel<Bf16PairsDot>, MR, NV>(m, n, 16, [&](auto tile, int64_t m0, int64_t n0) {
-    tile(k_pairs, a + m0 * lda, lda, a_step, b + n0, ldb, c + m0 * ldc + n0, ldc, accumulate);
+    const auto [p0, p1] = tile_range(band, m0, std::min<int64_t>(MR, m - m0), k_pairs);
+    tile(p1 - p0, a + m0 * lda + p0 * a_step, lda, a_step, b + p0 * ldb + n0, ldb, c + m0 * ldc + n0, ldc,
+         accumulate);
   });
 }
 

@@ -2,6 +2,7 @@
 // m × n output: MR-row × NV-vector tiles, with the smaller tiles compiled for the edges.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <utility>
@@ -35,6 +36,20 @@ void for_each_tile(int64_t m, int64_t n, int64_t lanes, Call call) {
       call(TileTable<Kernel, MR, NV>::table[mr - 1][nv - 1], m0, n0);
     }
   }
+}
+
+// The range [p0, p1) of the reduction axis outside which A's rows m0 .. m1-1 are zero (a
+// causal mask's triangle), as band(m0, m1) gives it; NoBand: anywhere.
+struct NoBand {
+  std::pair<int64_t, int64_t> operator()(int64_t, int64_t) const { return {0, INT64_MAX}; }
+};
+
+// The reduction range of the tile of rows m0 .. m0+mr-1: [0, k) narrowed by the band.
+template <class Band>
+std::pair<int64_t, int64_t> tile_range(const Band& band, int64_t m0, int64_t mr, int64_t k) {
+  const auto [p0, p1] = band(m0, m0 + mr);
+  const int64_t first = std::clamp<int64_t>(p0, 0, k);
+  return {first, std::max(first, std::min(p1, k))};
 }
 
 }  // namespace attnkit::cpu::ATTNKIT_ISA
