@@ -574,11 +574,8 @@ class Backward {
     const int64_t dp = plan_.d_pad, dvp = plan_.dv_pad, nr_pairs = (nr + 1) / 2;
     // Keys past the last one any of these rows sees (the causal limit, the right window) have
     // P = dS = 0: the products stop at the first nk keys (nk_pad for S and dP, whole vectors).
-    int64_t nk = bc;
-    const int64_t a_last = i0 + nr - 1 + p_.causal_offset;  // the last row's aligned position
-    if (p_.causal) nk = std::min(nk, a_last - j0 + 1);
-    if (p_.window_right >= 0) nk = std::min(nk, a_last + p_.window_right - j0 + 1);
-    if (nk <= 0) {
+    const int64_t nk = visible_keys(i0 + nr - 1 + p_.causal_offset, j0, bc).second;
+    if (nk == 0) {
       if (dq_first) std::memset(dq_part, 0, sizeof(float) * nr * dp);
       return;
     }
