@@ -548,17 +548,6 @@ class Backward {
     }
   }
 
-  // The rows [first, end) of the query block at i0 (nr rows) that see some key of j0 + [k0,
-  // k1): the causal limit and the right window bound them below, the left window above.
-  std::pair<int64_t, int64_t> rows_seeing(int64_t i0, int64_t nr, int64_t j0, int64_t k0, int64_t k1) const {
-    const int64_t a0 = i0 + p_.causal_offset;  // the block's first aligned query position
-    int64_t first = 0, end = nr;
-    if (p_.causal) first = std::max(first, j0 + k0 - a0);
-    if (p_.window_right >= 0) first = std::max(first, j0 + k0 - p_.window_right - a0);
-    if (p_.window_left >= 0) end = std::min(end, j0 + k1 + p_.window_left - a0);
-    return {std::min(first, nr), end};
-  }
-
   // E = 2^(S·scale·log2e - lse·log2e) = e^(S·scale - lse) for the keys (block offsets `key`,
   // lanes) in [lo, hi); 0 elsewhere (also where S is NaN there: never read for them).
   static vfloat visible_exp(vfloat s, vfloat scale_log2e, vfloat neg_lse_log2e, vfloat key, int64_t lo,
@@ -615,7 +604,10 @@ class Backward {
     // last two times scale when stored). Off AMX, each register tile sums only over the rows
     // that see its keys (dV, dK) or the keys its rows see (dQ): the causal triangle's zeros
     // are skipped.
-    auto rows = [&](int64_t k0, int64_t k1) { return rows_seeing(i0, nr, j0, k0, k1); };
+    auto rows = [&](int64_t k0, int64_t k1) {  // of this block, those that see keys j0 + [k0, k1)
+      const auto [first, end] = plan_.rows_of(p_, j0 + k0, k1 - k0);
+      return std::pair{first - i0, end - i0};
+    };
     auto keys_seen = [&](int64_t r0, int64_t r1) {
       const int64_t a0 = i0 + r0 + p_.causal_offset, a1 = i0 + r1 - 1 + p_.causal_offset;
       return std::pair{visible_keys(a0, j0, bc).first, visible_keys(a1, j0, bc).second};
