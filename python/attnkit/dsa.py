@@ -167,8 +167,9 @@ def fp8_mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_l
     Returns float32 logits [seq_len, seq_len_kv]: outside a row's range -inf with
     clean_logits, else not written (DeepGEMM's clean_logits=False; with out= the caller's
     values stay, else they are whatever the new buffer held). max_seqlen_k > 0 gives the
-    compressed form [seq_len, max_seqlen_k] whose column c is key ks[t] + c (clean_logits
-    must then be False, as DeepGEMM asserts). DeepGEMM returns a row-padded strided view;
+    compressed form [seq_len, max_seqlen_k] whose column c is key ks[t] + c (a longer row's
+    keys past the width are not written; clean_logits must then be False, as DeepGEMM
+    asserts). DeepGEMM returns a row-padded strided view;
     attnkit returns a contiguous array (out= may be any buffer with a unit last stride).
     q·k runs on bf16 pairs (e4m3 is exact in bf16: exact products, float32 sums); NaN
     propagates through ReLU. Results are bit-identical for any thread count.

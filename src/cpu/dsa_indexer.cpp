@@ -28,6 +28,7 @@ namespace {
 
 constexpr int64_t kKeyTile = 64;      // keys per Sᵀ tile
 constexpr int64_t kKeyChunk = 8192;   // keys per task when logits are written (amortises packing Qᵀ)
+constexpr int64_t kMaxD = 128;        // head dims 32, 64, 128 (the op's contract)
 #if defined(ATTNKIT_ISA_avx512bf16)
 constexpr bool kBf16Dot = true;
 #else
@@ -112,12 +113,13 @@ class Indexer {
       }
     }
     cols_ = rows_per_block * hpad_;
-    workspace_floats_ = cols_ * (kBf16Dot ? d_pairs_ : p.d)  // Qᵀ
-                        + cols_                              // weights by column
-                        + kKeyTile * cols_                   // Sᵀ
+    workspace_floats_ = cols_ * (kBf16Dot ? d_pairs_ : p.d)      // Q (pack_q)
+                        + cols_                                  // weights by column
+                        + kKeyTile * std::max(cols_, 2 * hpad_)  // Sᵀ, or on AMX two rows' S
                         + kKeyTile * (kBf16Dot ? d_pairs_ : p.d)  // the key tile
-                        + kKeyTile                           // its scales
-                        + (kAmx ? cols_ * d_pairs_ + d_pairs_ * kKeyTile : 0);  // Q's rows, the tile's pairs
+                        + kKeyTile                               // its scales
+                        + kKeyTile * rows_per_block              // its logits by block row
+                        + (kAmx ? d_pairs_ * kKeyTile : 0);      // the key tile's pairs
   }
 
   // The valid keys [lo, hi) of row r.
@@ -149,25 +151,29 @@ class Indexer {
 
  private:
   struct Scratch {
-    float *qt, *wcol, *st, *kt, *kscale;
-    uint32_t *q_rows, *k_pairs;  // AMX: Q's pairs by column [cols][d_pairs], the key tile's [d_pairs][kKeyTile]
+    float *qt, *wcol, *st, *kt, *kscale;  // Q (as pack_q lays it out), weights, S, the key tile, its scales
+    float* sums;                          // the key tile's logits by block row [rows][kKeyTile]
+    uint32_t* k_pairs;                    // AMX: the key tile's pairs [d_pairs][kKeyTile]
   };
   Scratch carve(float* w) const {
     Scratch s;
     s.qt = w;
     s.wcol = s.qt + cols_ * (kBf16Dot ? d_pairs_ : p_.d);
     s.st = s.wcol + cols_;
-    s.kt = s.st + kKeyTile * cols_;
+    s.kt = s.st + kKeyTile * std::max(cols_, 2 * hpad_);
     s.kscale = s.kt + kKeyTile * (kBf16Dot ? d_pairs_ : p_.d);
-    s.q_rows = reinterpret_cast<uint32_t*>(s.kscale + kKeyTile);
-    s.k_pairs = s.q_rows + cols_ * d_pairs_;
+    s.sums = s.kscale + kKeyTile;
+    s.k_pairs = reinterpret_cast<uint32_t*>(s.sums + kKeyTile * (cols_ / hpad_));
     return s;
   }
 
-  // Qᵀ of the block (column c = row · hpad + head; pad columns zero) and the weights by column.
+  // The block's Q by column c = row · hpad + head (pad columns zero) as its product reads it
+  // (AMX: rows of bf16 pairs [cols][d_pairs]; vdpbf16ps: Qᵀ in pairs [d_pairs][cols]; else
+  // Qᵀ [d][cols]), and the weights by column.
   void pack_q(const RowBlock& blk, const Scratch& s) const {
-    const int64_t qt_len = cols_ * (kBf16Dot ? d_pairs_ : p_.d);
-    std::memset(s.qt, 0, sizeof(float) * qt_len);
+    const Fp8ToBf16<DType::float8_e4m3fn> to_bf16;
+    uint32_t* q_pairs = reinterpret_cast<uint32_t*>(s.qt);
+    std::memset(q_pairs, 0, sizeof(float) * cols_ * (kBf16Dot ? d_pairs_ : p_.d));
     std::memset(s.wcol, 0, sizeof(float) * cols_);
     for (int64_t t = 0; t < blk.nr; ++t) {
       const int64_t r = blk.r0 + t;
@@ -176,29 +182,22 @@ class Indexer {
         const int64_t c = t * hpad_ + h;
         s.wcol[c] = p_.weights[r * p_.weights_stride[0] + h * p_.weights_stride[1]];
         const uint8_t* qh = qr + h * p_.q_stride[2];
-        for (int64_t d = 0; d < p_.d; ++d) {
-          const float v = float8_e4m3fn_to_float(qh[d * p_.q_stride[3]]);
-          if constexpr (kBf16Dot) {
-            uint32_t* pairs = reinterpret_cast<uint32_t*>(s.qt);
-            pairs[d / 2 * cols_ + c] |= bf16_of(v) << (16 * (d % 2));
-          } else {
-            s.qt[d * cols_ + c] = v;
-          }
+        if constexpr (kAmx) {  // an odd D's pad half stays zero
+          to_bf16.row(qh, p_.q_stride[3], p_.d, reinterpret_cast<uint16_t*>(q_pairs + c * d_pairs_));
+        } else if constexpr (kBf16Dot) {
+          uint32_t pairs[kMaxD / 2] = {};
+          to_bf16.row(qh, p_.q_stride[3], p_.d, reinterpret_cast<uint16_t*>(pairs));
+          for (int64_t dp = 0; dp < d_pairs_; ++dp) q_pairs[dp * cols_ + c] = pairs[dp];
+        } else {
+          float row[kMaxD];
+          load_row<DType::float8_e4m3fn>(qh, p_.q_stride[3], p_.d, 1.0f, row);
+          for (int64_t d = 0; d < p_.d; ++d) s.qt[d * cols_ + c] = row[d];
         }
       }
     }
-    if constexpr (kAmx) {
-      transpose_matrix(s.qt, cols_, d_pairs_, cols_, reinterpret_cast<float*>(s.q_rows), d_pairs_);
 #if defined(ATTNKIT_ISA_avx512amx)
-      amx_configure();  // once per task, before its first tile
+    amx_configure();  // once per task, before its first tile
 #endif
-    }
-  }
-
-  static uint32_t bf16_of(float exact) {
-    uint32_t u;
-    std::memcpy(&u, &exact, sizeof u);
-    return u >> 16;
   }
 
   const uint8_t* key_row(int64_t b, int64_t j, float& scale) const {
@@ -230,42 +229,42 @@ class Indexer {
     }
   }
 
-  // For key j of the loaded key tile and block row t: emit(t, j, Σ_h w·ReLU(s) · k_scale), over
-  // the block's nr rows only (a block of fewer rows than it has room for, e.g. one decode row
-  // per sequence, computed its empty columns too: the paged indexer at twice the time). On
-  // AMX over a stored S [cols][keys] along the keys; on vdpbf16ps on the scores in registers
+  // The key tile's logits of the block's nr rows: sums[t][j] = Σ_h w·ReLU(s) · k_scale for key
+  // j < n (the block's empty columns are never computed: e.g. one decode row per sequence).
+  // On AMX per row: its S [heads][keys] on tiles (the next row's issued before this row's
+  // vector work, into the other of two buffers), then the reduction over heads along the
+  // keys, so that no horizontal sum is needed and S stays in L1 (the whole block's S at
+  // once, 128 KiB at IL, went through L2); on vdpbf16ps on the scores in registers
   // (gemm_bf16_relu_dot); else over a stored Sᵀ [n][cols].
-  template <class Emit>
-  void tile_logits(int64_t n, const Scratch& s, int64_t nr, Emit emit) const {
+  void tile_logits(int64_t n, const Scratch& s, int64_t nr) const {
 #if defined(ATTNKIT_ISA_avx512amx)
-    // S = Q · Kᵀ [column][key] on AMX tiles (the key tile's pairs transposed, keys past n zero),
-    // then the reduction over heads along the keys, so that no horizontal sum is needed.
     const int64_t n_pad = round_up(n, kAmxTile);
     std::memset(s.kt + n * d_pairs_, 0, sizeof(float) * (n_pad - n) * d_pairs_);
     transpose_matrix(s.kt, d_pairs_, n_pad, d_pairs_, reinterpret_cast<float*>(s.k_pairs), kKeyTile);
-    gemm_amx_bf16(nr * hpad_, n_pad, d_pairs_, s.q_rows, d_pairs_, s.k_pairs, kKeyTile, s.st, kKeyTile, false);
-    float sums[kKeyTile];
+    auto scores = [&](int64_t t) {  // row t's S into one of two buffers
+      const uint32_t* q_rows = reinterpret_cast<const uint32_t*>(s.qt) + t * hpad_ * d_pairs_;
+      gemm_amx_bf16(hpad_, n_pad, d_pairs_, q_rows, d_pairs_, s.k_pairs, kKeyTile, s.st + t % 2 * hpad_ * kKeyTile,
+                    kKeyTile, false);
+    };
+    scores(0);
     for (int64_t t = 0; t < nr; ++t) {
-      const float* st = s.st + t * hpad_ * kKeyTile;
-      const float* w = s.wcol + t * hpad_;
+      if (t + 1 < nr) scores(t + 1);
+      const float* st = s.st + t % 2 * hpad_ * kKeyTile;
+      float* sums = s.sums + t * kKeyTile;
       switch (n_pad / kLanes) {  // the key vectors side by side: independent sums
-        case 4: relu_dot_heads<4>(st, w, sums); break;
-        case 3: relu_dot_heads<3>(st, w, sums); break;
-        case 2: relu_dot_heads<2>(st, w, sums); break;
-        default: relu_dot_heads<1>(st, w, sums);
+        case 4: relu_dot_heads<4>(st, s.wcol + t * hpad_, sums); break;
+        case 3: relu_dot_heads<3>(st, s.wcol + t * hpad_, sums); break;
+        case 2: relu_dot_heads<2>(st, s.wcol + t * hpad_, sums); break;
+        default: relu_dot_heads<1>(st, s.wcol + t * hpad_, sums);
       }
-      for (int64_t j = 0; j < n; ++j) emit(t, j, sums[j] * s.kscale[j]);
     }
 #elif defined(ATTNKIT_ISA_avx512bf16)
     for (int64_t t = 0; t < nr; ++t) {
-      float* sums = s.st + t * kKeyTile;
+      float* sums = s.sums + t * kKeyTile;
       std::memset(sums, 0, sizeof(float) * n);
       gemm_bf16_relu_dot<kTallRows, kTallVecs>(n, hpad_, d_pairs_, reinterpret_cast<const uint32_t*>(s.kt), d_pairs_,
                                                reinterpret_cast<const uint32_t*>(s.qt) + t * hpad_, cols_,
                                                s.wcol + t * hpad_, sums);
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      for (int64_t t = 0; t < nr; ++t) emit(t, j, s.st[t * kKeyTile + j] * s.kscale[j]);
     }
 #else
     gemm<kTallRows, kTallVecs>(n, nr * hpad_, p_.d, s.kt, p_.d, 1, s.qt, cols_, s.st, cols_, false);
@@ -277,10 +276,14 @@ class Indexer {
           const vfloat v = vload(row + c);
           acc += (v < 0.0f ? vfloat{} : v) * vload(s.wcol + c);  // ReLU, NaN kept
         }
-        emit(t, j, hsum(acc) * s.kscale[j]);
+        s.sums[t * kKeyTile + j] = hsum(acc);
       }
     }
 #endif
+    for (int64_t t = 0; t < nr; ++t) {
+      float* sums = s.sums + t * kKeyTile;
+      for (int64_t j = 0; j < n; ++j) sums[j] *= s.kscale[j];
+    }
   }
 
 #if defined(ATTNKIT_ISA_avx512amx)
@@ -320,13 +323,20 @@ class Indexer {
     for (int64_t t0 = k0; t0 < k1; t0 += kKeyTile) {
       const int64_t n = std::min(kKeyTile, k1 - t0);
       load_keys(b, t0, n, s);
-      tile_logits(n, s, blk.nr, [&](int64_t t, int64_t jj, float v) {
-        const int64_t j = t0 + jj;
-        const bool in = j >= lo[t] && j < hi[t];
-        const int64_t col = p_.compressed ? j - lo[t] : j;
-        if (!in && (!p_.clean || p_.compressed)) return;
-        if (col >= 0 && col < p_.width) p_.logits[(blk.r0 + t) * p_.logits_stride + col] = in ? v : -INFINITY;
-      });
+      tile_logits(n, s, blk.nr);
+      for (int64_t t = 0; t < blk.nr; ++t) {
+        // Key j of the row's range goes to column j - shift (inside [0, width)); with clean
+        // logits and uncompressed rows the tile's other keys' columns get -inf.
+        float* row = p_.logits + (blk.r0 + t) * p_.logits_stride;
+        const int64_t shift = p_.compressed ? lo[t] : 0, t1 = t0 + n;
+        const int64_t a = std::max({lo[t], t0, shift}), e = std::min({hi[t], t1, p_.width + shift});
+        if (a < e) std::memcpy(row + a - shift, s.sums + t * kKeyTile + a - t0, sizeof(float) * (e - a));
+        if (p_.clean && !p_.compressed) {
+          const int64_t c1 = std::max(t0, std::min(t1, p_.width));  // the tile's columns: [t0, c1)
+          std::fill(row + t0, row + std::clamp(lo[t], t0, c1), -INFINITY);
+          std::fill(row + std::clamp(hi[t], t0, c1), row + c1, -INFINITY);
+        }
+      }
     }
   }
 
@@ -340,10 +350,12 @@ class Indexer {
     for (int64_t t0 = blk.lo; t0 < blk.hi; t0 += kKeyTile) {
       const int64_t n = std::min(kKeyTile, blk.hi - t0);
       load_keys(b, t0, n, s);
-      tile_logits(n, s, blk.nr, [&](int64_t t, int64_t jj, float v) {
-        const int64_t j = t0 + jj;
-        if (j >= lo[t] && j < hi[t]) best[t].push(v, static_cast<uint32_t>(j - lo[t]));
-      });
+      tile_logits(n, s, blk.nr);
+      for (int64_t t = 0; t < blk.nr; ++t) {
+        for (int64_t j = std::max(lo[t], t0); j < std::min(hi[t], t0 + n); ++j) {
+          best[t].push(s.sums[t * kKeyTile + j - t0], static_cast<uint32_t>(j - lo[t]));
+        }
+      }
     }
     std::vector<uint32_t> picked(p_.topk);
     for (int64_t t = 0; t < blk.nr; ++t) {

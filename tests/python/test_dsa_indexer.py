@@ -92,6 +92,12 @@ def test_mqa_logits_compressed_strided_threads_torch():
     for t in range(T):
         n = ke[t] - ks[t]
         assert np.array_equal(comp[t, :n], full[t, ks[t]:ke[t]]) and np.isnan(comp[t, n:]).all()
+    narrow = width - 100     # longer rows keep their first `narrow` keys' logits
+    comp = np.full((T, narrow + 7), np.nan, np.float32)[:, :narrow]
+    dsa.fp8_mqa_logits(q, (kv, kv_scale), w, ks, ke, clean_logits=False, max_seqlen_k=narrow, out=comp)
+    for t in range(T):
+        n = min(ke[t] - ks[t], narrow)
+        assert np.array_equal(comp[t, :n], full[t, ks[t]:ks[t] + n]) and np.isnan(comp.base[t, n:]).all()
     n = attnkit.get_num_threads()
     try:
         attnkit.set_num_threads(1)
