@@ -119,7 +119,7 @@ bool os_allows_amx() {
 
 bool avx512amx_runnable() {
   return avx512bf16_runnable() && cpu_has("amx-tile") && cpu_has("amx-bf16") && cpu_has("amx-int8") &&
-         os_allows_amx();
+         cpu_has("avx512vbmi") && os_allows_amx();
 }
 
 // avx512amx: the bf16 tile loop (dense, varlen and paged prefill) and decode over grouped kv
@@ -190,6 +190,7 @@ bool cpu_has(const char* feature) {
   if (f == "avx512bf16") return __builtin_cpu_supports("avx512bf16");
   if (f == "avx512fp16") return __builtin_cpu_supports("avx512fp16");
   if (f == "avx512vnni") return __builtin_cpu_supports("avx512vnni");
+  if (f == "avx512vbmi") return __builtin_cpu_supports("avx512vbmi");
   if (f == "amx-tile") return __builtin_cpu_supports("amx-tile");
   if (f == "amx-bf16") return __builtin_cpu_supports("amx-bf16");
   if (f == "amx-int8") return __builtin_cpu_supports("amx-int8");
@@ -306,8 +307,8 @@ std::string isa_rule() {
 std::string cpu_features() {
   std::string out;
   for (const char* f : {"avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl",
-                        "avx512dq", "avx512bf16", "avx512fp16", "avx512vnni", "amx-tile", "amx-bf16",
-                        "amx-int8"}) {
+                        "avx512dq", "avx512bf16", "avx512fp16", "avx512vnni", "avx512vbmi", "amx-tile",
+                        "amx-bf16", "amx-int8"}) {
     if (cpu_has(f)) out += (out.empty() ? "" : " ") + std::string(f);
   }
   return out;

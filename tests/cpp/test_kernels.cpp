@@ -752,7 +752,7 @@ ISA_TEST(Convert, VectorLoadsMatchScalarConversions) {
 template <DType T>
 void check_fp8_to_bf16(float (*scalar)(uint8_t)) {
   const Fp8ToBf16<T> convert;
-  for (int64_t n : {256, 256 + 31, 7}) {
+  for (int64_t n : {256, 256 + 31, 256 + 32 + 5, 7}) {  // whole 64s (VBMI), a 32, tails
     std::vector<uint8_t> src(n);
     for (int64_t i = 0; i < n; ++i) src[i] = static_cast<uint8_t>((i * 37 + n) % 256);
     std::vector<uint16_t> dst(n + 1, 0xABCD);
