@@ -370,12 +370,15 @@ class Indexer {
   std::vector<RowBlock> blocks_;
 };
 
-// The keys of a row's selectable values that may be among its k best: a histogram of the
-// keys' top kBinBits bits finds the bin holding the k-th best, and only keys in it or better
-// bins are kept (a superset of the top k: exact, and far fewer than the row on real logits).
-// Bins are computed kLanes values at a time (-inf and NaN go to a bin past the last).
+// The keys of a row's selectable values that may be among its k best: those in the bins of
+// the keys' top kBinBits bits up to a bar bin, a superset of the top k (exact) when it holds
+// at least k keys, and far fewer than the row on real logits. The bar comes from a histogram
+// of every kSampleStep-th vector of the row, aimed at 1.25 k keys; where the bins up to it
+// hold fewer than k, from the whole row's histogram (the exact bin of the k-th best). Bins
+// are computed kLanes values at a time (-inf and NaN go to a bin past the last).
 constexpr int kBinBits = 11;
 constexpr uint32_t kNoBin = 1u << kBinBits;
+constexpr int64_t kSampleStep = 8;
 
 inline vuint bins_of(vfloat v) {
   v = v == 0.0f ? vfloat{} : v;                                   // -0 -> +0
@@ -385,55 +388,79 @@ inline vuint bins_of(vfloat v) {
   return v > -INFINITY ? bin : vuint{} + kNoBin;
 }
 
-void select_candidates(const float* row, int64_t stride, int64_t len, int64_t k, std::vector<uint64_t>& keys) {
-  auto bin_at = [&](int64_t t) {
-    const float v = row[t * stride];
-    return selectable(v) ? static_cast<uint32_t>(order_key(v, 0) >> (64 - kBinBits)) : kNoBin;
-  };
-  uint32_t last_bin = kNoBin - 1;
-  if (len > 4 * k) {
-    // kHistograms copies, lane i counting into copy i % kHistograms: a value's bin is often
-    // the last one's, and one copy's increments of the same count wait on each other (Zen 4:
-    // the histogram took half of a top-k 2048 of 65536 values).
-    // The bins go through memory (scalar loads: lane extracts were slower), the counts are
-    // 32-bit (lengths are int32), so the copies fill 32 KB.
-    constexpr int kHistograms = 4;
-    constexpr int64_t kBins = kNoBin + 1;
-    std::vector<uint32_t> hist(kHistograms * kBins, 0);
-    int64_t t = 0;
-    if (stride == 1) {
-      for (; t + kLanes <= len; t += kLanes) {
-        uint32_t bins[kLanes];
-        const vuint v = bins_of(vload(row + t));
-        std::memcpy(bins, &v, sizeof bins);
-        for (int i = 0; i < kLanes; ++i) ++hist[i % kHistograms * kBins + bins[i]];
-      }
+inline uint32_t bin_of(float v) {
+  return selectable(v) ? static_cast<uint32_t>(order_key(v, 0) >> (64 - kBinBits)) : kNoBin;
+}
+
+// The first bin (best first) at which the count of the selectable values in every step-th
+// run of kLanes values reaches `want` (the last bin if it never does).
+uint32_t bar_bin(const float* row, int64_t stride, int64_t len, int64_t step, int64_t want) {
+  // kHistograms copies, lane i counting into copy i % kHistograms: a value's bin is often
+  // the last one's, and one copy's increments of the same count wait on each other (Zen 4:
+  // the histogram took half of a top-k 2048 of 65536 values). The bins go through memory
+  // (scalar loads: lane extracts were slower), the counts are 32-bit (lengths are int32).
+  constexpr int kHistograms = 4;
+  constexpr int64_t kBins = kNoBin + 1;
+  std::vector<uint32_t> hist(kHistograms * kBins, 0);
+  for (int64_t t0 = 0; t0 < len; t0 += step * kLanes) {
+    if (stride == 1 && t0 + kLanes <= len) {
+      uint32_t bins[kLanes];
+      const vuint v = bins_of(vload(row + t0));
+      std::memcpy(bins, &v, sizeof bins);
+      for (int i = 0; i < kLanes; ++i) ++hist[i % kHistograms * kBins + bins[i]];
+    } else {
+      for (int64_t t = t0; t < std::min(len, t0 + kLanes); ++t) ++hist[bin_of(row[t * stride])];
     }
-    for (; t < len; ++t) ++hist[bin_at(t)];
-    for (int c = 1; c < kHistograms; ++c) {
-      for (int64_t bin = 0; bin < kBins; ++bin) hist[bin] += hist[c * kBins + bin];
-    }
-    int64_t seen = 0;
-    for (last_bin = 0; last_bin < kNoBin - 1 && seen + hist[last_bin] < k; ++last_bin) seen += hist[last_bin];
-    keys.reserve(static_cast<size_t>(seen + hist[last_bin]));
-  } else {
-    keys.reserve(len);
   }
+  for (int c = 1; c < kHistograms; ++c) {
+    for (int64_t bin = 0; bin < kBins; ++bin) hist[bin] += hist[c * kBins + bin];
+  }
+  uint32_t bin = 0;
+  for (int64_t seen = 0; bin < kNoBin - 1 && seen + hist[bin] < want; ++bin) seen += hist[bin];
+  return bin;
+}
+
+// Appends the keys of the row's values in bins 0 .. bar, in index order.
+void collect(const float* row, int64_t stride, int64_t len, uint32_t bar, std::vector<uint64_t>& keys) {
   int64_t t = 0;
   if (stride == 1) {
-    const vuint bar = vuint{} + last_bin;
+    const vuint vbar = vuint{} + bar;
     for (; t + kLanes <= len; t += kLanes) {
-      const vint pass = (vint)(bins_of(vload(row + t)) <= bar);
-      bool any = false;
-      for (int i = 0; i < kLanes; ++i) any |= pass[i] != 0;
-      if (!any) continue;
-      for (int i = 0; i < kLanes; ++i) {
-        if (pass[i]) keys.push_back(order_key(row[t + i], static_cast<uint32_t>(t + i)));
+      for (uint32_t pass = lanes_at_most(bins_of(vload(row + t)), vbar); pass != 0; pass &= pass - 1) {
+        const int64_t i = t + __builtin_ctz(pass);
+        keys.push_back(order_key(row[i], static_cast<uint32_t>(i)));
       }
     }
   }
   for (; t < len; ++t) {
-    if (bin_at(t) <= last_bin) keys.push_back(order_key(row[t * stride], static_cast<uint32_t>(t)));
+    if (bin_of(row[t * stride]) <= bar) keys.push_back(order_key(row[t * stride], static_cast<uint32_t>(t)));
+  }
+}
+
+void select_candidates(const float* row, int64_t stride, int64_t len, int64_t k, std::vector<uint64_t>& keys) {
+  keys.reserve(std::min(len, 2 * k));
+  if (len <= 4 * k) return collect(row, stride, len, kNoBin - 1, keys);
+  const uint32_t bar = bar_bin(row, stride, len, kSampleStep, (k + k / 4) / kSampleStep + 16);
+  collect(row, stride, len, bar, keys);
+  if (static_cast<int64_t>(keys.size()) >= k || bar == kNoBin - 1) return;  // (the latter: every selectable value)
+  keys.clear();
+  collect(row, stride, len, bar_bin(row, stride, len, 1, k), keys);
+}
+
+// Sorts keys by their high 32 bits (the value order), equal ones kept in their order (the
+// candidates come in index order, so ties stay index-ascending): LSD radix, 11 bits a pass,
+// where a comparison sort of the candidates took a third of a top-k's time.
+void sort_by_value(std::vector<uint64_t>& keys, std::vector<uint64_t>& spare) {
+  constexpr int kDigitBits = 11;
+  constexpr uint32_t kDigits = 1u << kDigitBits;
+  spare.resize(keys.size());
+  for (int shift = 32; shift < 64; shift += kDigitBits) {
+    std::vector<uint32_t> start(kDigits + 1, 0);
+    for (const uint64_t key : keys) ++start[(key >> shift & (kDigits - 1)) + 1];
+    if (*std::max_element(start.begin(), start.end()) == keys.size()) continue;  // one digit: in order
+    for (uint32_t d = 1; d <= kDigits; ++d) start[d] += start[d - 1];
+    for (const uint64_t key : keys) spare[start[key >> shift & (kDigits - 1)]++] = key;
+    keys.swap(spare);
   }
 }
 
@@ -447,11 +474,10 @@ void topk_select(const TopkParams& p) {
     const int64_t len = p.lengths[r * p.lengths_stride];
     const int64_t start = p.starts ? p.starts[r * p.starts_stride] : 0;
     const float* row = p.logits + r * p.logits_stride[0] + start * p.logits_stride[1];
-    std::vector<uint64_t> keys;
+    std::vector<uint64_t> keys, spare;
     select_candidates(row, p.logits_stride[1], len, p.topk, keys);
+    sort_by_value(keys, spare);
     const int64_t n = std::min<int64_t>(p.topk, keys.size());
-    if (n < static_cast<int64_t>(keys.size())) std::nth_element(keys.begin(), keys.begin() + n, keys.end());
-    std::sort(keys.begin(), keys.begin() + n);
     int32_t* out = p.out + r * p.out_stride[0];
     for (int64_t i = 0; i < p.topk; ++i) {
       int32_t v = -1;

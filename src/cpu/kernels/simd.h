@@ -72,6 +72,19 @@ inline bool any_greater(vfloat a, vfloat b) {
   return any;
 #endif
 }
+// Bit i set where a[i] <= b[i], unsigned.
+inline uint32_t lanes_at_most(vuint a, vuint b) {
+#if defined(ATTNKIT_ISA_avx512)
+  return _mm512_cmple_epu32_mask((__m512i)a, (__m512i)b);
+#elif defined(ATTNKIT_ISA_avx2)
+  const __m256i at_most = _mm256_cmpeq_epi32(_mm256_max_epu32((__m256i)a, (__m256i)b), (__m256i)b);
+  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(at_most)));
+#else
+  uint32_t bits = 0;
+  for (int i = 0; i < kLanes; ++i) bits |= uint32_t{a[i] <= b[i]} << i;
+  return bits;
+#endif
+}
 inline float hsum(vfloat v) {
 #if defined(ATTNKIT_ISA_avx512) || defined(ATTNKIT_ISA_avx2)
   // Halve with shuffles down to 4 lanes (GCC 12 warns inside _mm512_reduce_add_ps).
