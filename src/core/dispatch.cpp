@@ -283,7 +283,7 @@ std::string isa_rule() {
     const std::string name = v.table->isa;
     if (name == "avx512amx") {
       return name + ": " + describe(id) +
-             " has AMX tiles, so bf16 prefill and backward, decode over grouped kv heads (paged caches), "
+             " has AMX tiles (and VBMI), so bf16 prefill and backward, decode over grouped kv heads (paged caches), "
              "sparse MLA and the DSA indexer run their "
              "products on tdpbf16ps and int8 Sage its Q·Kᵀ on tdpbusd" +
              (bf16_dot_slower_than_fma(id)
