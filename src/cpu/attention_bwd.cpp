@@ -49,6 +49,10 @@ namespace {
 // ~5-10% faster at shape A; the key block's state (~0.7 MiB) stays in L2.
 constexpr int64_t kKeyBlock = 192;
 constexpr int64_t kRowBlock = 96;
+// fp32 products take query blocks of 64 rows (their operands' share of L1 and L2 smaller):
+// X6, shape A, 1 thread ~3% faster than 96; bf16 pairs (AMX) ~5% slower at 64.
+constexpr int64_t kFp32RowBlock = 64;
+static_assert(kFp32RowBlock <= kRowBlock && kFp32RowBlock % 2 == 0, "the workspace is sized for kRowBlock");
 // Key blocks packed and run together: each query block visits them one after the other, so
 // its partial dQ rows (and its Q and dO) are read from L3 once per group, not once per key
 // block (the dQ rows' L3 round trips alone took ~9% of the call at shape A).
@@ -126,6 +130,7 @@ struct BackwardPlan {
   std::vector<int64_t> dq_offset;  // split s's partial dQ rows start at dq_offset[s] floats
   int64_t key_blocks, splits, blocks_per_split, tasks, d_pad, dv_pad, d_pairs, dv_pairs, rows16;
   int64_t row_pairs_pad, row_align;
+  int64_t row_block;  // query rows per block: kRowBlock, or kFp32RowBlock without pairs
   int64_t workspace_floats, prepared_floats;
 
   BackwardPlan(const AttentionBackwardParams& bp, bool use_pairs) : pairs(use_pairs), tiles(use_pairs && kAmx) {
@@ -143,6 +148,7 @@ struct BackwardPlan {
     rows16 = round_up(p.Sq, 16);
     row_pairs_pad = round_up((p.Sq + 1) / 2, tiles ? kSlabPairs : 1);
     row_align = tiles ? 2 * kSlabPairs : 2;
+    row_block = pairs ? kRowBlock : kFp32RowBlock;
     workspace_floats = kKeyBlocksTogether * PackedKeys::floats(d_pad, dv_pad)
                        + 6 * kRowBlock * kKeyBlock  // E, dP then dS, dropped P, tanh, row pairs of P and dS
                        + kRowBlock * kKeyBlock / 2  // dS pairs along the keys
@@ -363,9 +369,9 @@ class Backward {
         if (first && i_end < p_.Sq) {
           std::memset(dq_row(split, b, h, i_end), 0, sizeof(float) * (p_.Sq - i_end) * plan_.d_pad);
         }
-        for (int64_t i0 = i_begin; i0 < i_end; i0 += kRowBlock) {
+        for (int64_t i0 = i_begin; i0 < i_end; i0 += plan_.row_block) {
           for (int64_t g = 0; g < together; ++g) {
-            block(b, h, ph, i0, std::min(kRowBlock, i_end - i0), j0[g], bc[g], dq_row(split, b, h, i0),
+            block(b, h, ph, i0, std::min(plan_.row_block, i_end - i0), j0[g], bc[g], dq_row(split, b, h, i0),
                   first && g == 0, w.keys[g], w);
           }
         }
