@@ -75,6 +75,21 @@ def test_mqa_logits(H, D_, clean):
     check_logits(got, ref, mag, inside, clean)
 
 
+@pytest.mark.parametrize("layout", ["row_gap", "column_stride"])
+def test_mqa_logits_strided_keys(layout):
+    # keys whose rows are not adjacent: read key by key (adjacent rows are converted in runs)
+    rng = np.random.default_rng(12)
+    ks, ke, S = causal_ranges(rng, [3, 70], [90, 333])
+    T, H, D_ = len(ks), 16, 64
+    big = fp8(rng, (S, 2 * D_))
+    kv = big[:, :D_] if layout == "row_gap" else big[:, ::2]
+    kv_scale = rng.uniform(0.01, 0.1, S).astype(np.float32)
+    q, w = fp8(rng, (T, H, D_)), rng.standard_normal((T, H)).astype(np.float32)
+    got = dsa.fp8_mqa_logits(q, (kv, kv_scale), w, ks, ke, out=np.full((T, S), np.nan, np.float32))
+    ref, mag, inside = D.mqa_logits_ref(q, kv, kv_scale, w, ks, ke)
+    check_logits(got, ref, mag, inside, True)
+
+
 def test_mqa_logits_compressed_strided_threads_torch():
     rng = np.random.default_rng(11)
     ks, ke, S = causal_ranges(rng, [40, 5], [300, 2100])
