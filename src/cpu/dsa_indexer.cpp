@@ -2,8 +2,8 @@
 // rows (all their heads, rows·heads ~ 128 columns, 512 on AMX) and a chunk of keys; per tile
 // of 64 keys Sᵀ = K · Qᵀ runs on the shared register tiles (vdpbf16ps on avx512bf16: e4m3
 // values are exact in bf16, so products are exact and only fp32 summation order differs from
-// exact) or S = Q · Kᵀ on AMX tiles (avx512amx), then each (key, row) reduces
-// Σ_h w·ReLU(s) · k_scale. Top-k orders candidates by (value
+// exact) or on AMX tiles (avx512amx: S = Q · Kᵀ, or Sᵀ for one-row blocks), then each
+// (key, row) reduces Σ_h w·ReLU(s) · k_scale. Top-k orders candidates by (value
 // desc, index asc) packed into one 64-bit key, so selection is exact, deterministic and
 // independent of how rows or keys were split; the fused indexer keeps a bounded candidate
 // buffer per row (streaming) instead of a row of logits. Compiled per ISA.
@@ -35,7 +35,7 @@ constexpr bool kBf16Dot = true;
 constexpr bool kBf16Dot = false;
 #endif
 #if defined(ATTNKIT_ISA_avx512amx)
-constexpr bool kAmx = true;  // S = Q · Kᵀ on AMX tiles (D in {32, 64, 128}: whole tiles of pairs)
+constexpr bool kAmx = true;  // S or Sᵀ on AMX tiles (D in {32, 64, 128}: whole tiles of pairs)
 #else
 constexpr bool kAmx = false;
 #endif
@@ -119,7 +119,7 @@ class Indexer {
                         + kKeyTile * (kBf16Dot ? d_pairs_ : p.d)  // the key tile
                         + kKeyTile                               // its scales
                         + kKeyTile * rows_per_block              // its logits by block row
-                        + (kAmx ? d_pairs_ * kKeyTile : 0);      // the key tile's pairs
+                        + (kAmx ? d_pairs_ * kKeyTile : 0);      // the key tile's pairs (S = Q · Kᵀ)
   }
 
   // The valid keys [lo, hi) of row r.
@@ -153,7 +153,7 @@ class Indexer {
   struct Scratch {
     float *qt, *wcol, *st, *kt, *kscale;  // Q (as pack_q lays it out), weights, S, the key tile, its scales
     float* sums;                          // the key tile's logits by block row [rows][kKeyTile]
-    uint32_t* k_pairs;                    // AMX: the key tile's pairs [d_pairs][kKeyTile]
+    uint32_t* k_pairs;                    // AMX, S = Q · Kᵀ: the key tile's pairs [d_pairs][kKeyTile]
   };
   Scratch carve(float* w) const {
     Scratch s;
@@ -168,8 +168,9 @@ class Indexer {
   }
 
   // The block's Q by column c = row · hpad + head (pad columns zero) as its product reads it
-  // (AMX: rows of bf16 pairs [cols][d_pairs]; vdpbf16ps: Qᵀ in pairs [d_pairs][cols]; else
-  // Qᵀ [d][cols]), and the weights by column.
+  // (AMX: one row's Qᵀ in bf16 pairs [d_pairs][hpad] (Sᵀ = K · Qᵀ), or rows of pairs
+  // [cols][d_pairs] (S = Q · Kᵀ); vdpbf16ps: Qᵀ in pairs [d_pairs][cols]; else Qᵀ [d][cols]),
+  // and the weights by column.
   void pack_q(const RowBlock& blk, const Scratch& s) const {
     const Fp8ToBf16<DType::float8_e4m3fn> to_bf16;
     uint32_t* q_pairs = reinterpret_cast<uint32_t*>(s.qt);
@@ -182,12 +183,13 @@ class Indexer {
         const int64_t c = t * hpad_ + h;
         s.wcol[c] = p_.weights[r * p_.weights_stride[0] + h * p_.weights_stride[1]];
         const uint8_t* qh = qr + h * p_.q_stride[2];
-        if constexpr (kAmx) {  // an odd D's pad half stays zero
+        if (kAmx && !keys_as_rows(blk.nr)) {  // an odd D's pad half stays zero
           to_bf16.row(qh, p_.q_stride[3], p_.d, reinterpret_cast<uint16_t*>(q_pairs + c * d_pairs_));
         } else if constexpr (kBf16Dot) {
           uint32_t pairs[kMaxD / 2] = {};
           to_bf16.row(qh, p_.q_stride[3], p_.d, reinterpret_cast<uint16_t*>(pairs));
-          for (int64_t dp = 0; dp < d_pairs_; ++dp) q_pairs[dp * cols_ + c] = pairs[dp];
+          const int64_t ld = kAmx ? hpad_ : cols_;
+          for (int64_t dp = 0; dp < d_pairs_; ++dp) q_pairs[dp * ld + c] = pairs[dp];
         } else {
           float row[kMaxD];
           load_row<DType::float8_e4m3fn>(qh, p_.q_stride[3], p_.d, 1.0f, row);
@@ -199,6 +201,12 @@ class Indexer {
     amx_configure();  // once per task, before its first tile
 #endif
   }
+
+  // On AMX, blocks of one query row (decode) compute Sᵀ = K · Qᵀ: K's bf16 rows as loaded are
+  // the A operand, and the head sums come out across lanes (lane_sums); blocks of more rows
+  // compute S = Q · Kᵀ, the key tile transposed into pairs once for all of them (IP, one row:
+  // Sᵀ 15.9 -> 11.0 ms with the keys in cache; IL, 8 rows: Sᵀ ~10% slower).
+  static bool keys_as_rows(int64_t nr) { return nr == 1; }
 
   // Up to n keys from key j whose rows lie one after another (d bytes apart, elements
   // adjacent): the rest of j's page in a paged cache, all n in a contiguous flat K, else one;
@@ -252,15 +260,24 @@ class Indexer {
 
   // The key tile's logits of the block's nr rows: sums[t][j] = Σ_h w·ReLU(s) · k_scale for key
   // j < n (the block's empty columns are never computed: e.g. one decode row per sequence).
-  // On AMX per row: its S [heads][keys] on tiles (the next row's issued before this row's
+  // On AMX, a single row (keys_as_rows): its Sᵀ [keys][heads] on tiles, then per key the
+  // weighted ReLU over its heads, summed across lanes 16 keys at a time (relu_dot_keys);
+  // more rows: per row its S [heads][keys] on tiles (the next row's issued before this row's
   // vector work, into the other of two buffers), then the reduction over heads along the
   // keys, so that no horizontal sum is needed and S stays in L1 (the whole block's S at
-  // once, 128 KiB at IL, went through L2); on vdpbf16ps on the scores in registers
+  // once, 128 KiB at IL, went through L2). On vdpbf16ps on the scores in registers
   // (gemm_bf16_relu_dot); else over a stored Sᵀ [n][cols].
   void tile_logits(int64_t n, const Scratch& s, int64_t nr) const {
 #if defined(ATTNKIT_ISA_avx512amx)
     const int64_t n_pad = round_up(n, kAmxTile);
     std::memset(s.kt + n * d_pairs_, 0, sizeof(float) * (n_pad - n) * d_pairs_);
+    if (keys_as_rows(nr)) {
+      gemm_amx_bf16(n_pad, hpad_, d_pairs_, reinterpret_cast<const uint32_t*>(s.kt), d_pairs_,
+                    reinterpret_cast<const uint32_t*>(s.qt), hpad_, s.st, hpad_, false);
+      relu_dot_keys(s.st, n_pad, s.wcol, s.sums);
+      scale_sums(n, nr, s);
+      return;
+    }
     transpose_matrix(s.kt, d_pairs_, n_pad, d_pairs_, reinterpret_cast<float*>(s.k_pairs), kKeyTile);
     auto scores = [&](int64_t t) {  // row t's S into one of two buffers
       const uint32_t* q_rows = reinterpret_cast<const uint32_t*>(s.qt) + t * hpad_ * d_pairs_;
@@ -301,6 +318,10 @@ class Indexer {
       }
     }
 #endif
+    scale_sums(n, nr, s);
+  }
+
+  void scale_sums(int64_t n, int64_t nr, const Scratch& s) const {
     for (int64_t t = 0; t < nr; ++t) {
       float* sums = s.sums + t * kKeyTile;
       for (int64_t j = 0; j < n; ++j) sums[j] *= s.kscale[j];
@@ -322,6 +343,21 @@ class Indexer {
     }
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) vstore(sums + v * kLanes, acc[v]);
+  }
+  // sums[j] = Σ_h ReLU(st[j][h]) · w[h] (NaN kept) for the n_pad keys of Sᵀ's rows (hpad apart).
+  void relu_dot_keys(const float* st, int64_t n_pad, const float* w, float* sums) const {
+    for (int64_t j0 = 0; j0 < n_pad; j0 += kLanes) {
+      vfloat acc[kLanes] = {};
+      for (int64_t h = 0; h < hpad_; h += kLanes) {
+        const vfloat wh = vload(w + h);
+#pragma GCC unroll 16
+        for (int j = 0; j < kLanes; ++j) {
+          const vfloat x = vload(st + (j0 + j) * hpad_ + h);
+          acc[j] += (x < 0.0f ? vfloat{} : x) * wh;
+        }
+      }
+      vstore(sums + j0, lane_sums(acc));
+    }
   }
 #endif
 

@@ -394,6 +394,25 @@ ISA_TEST(Simd, TransposeMatrixMovesEveryElement) {
   EXPECT_EQ(dst[cols * ld], -1.0f);
 }
 
+#if defined(ATTNKIT_ISA_avx512)
+// lane_sums: lane i is the sum of vector i's lanes. Small integers (exact in any order), each
+// vector's lanes and each vector's total distinct, so a lane taken from the wrong vector or
+// summed twice shows.
+ISA_TEST(Simd, LaneSumsSumEachVector) {
+  SKIP_UNLESS_RUNNABLE();
+  vfloat v[kLanes];
+  for (int r = 0; r < kLanes; ++r) {
+    for (int i = 0; i < kLanes; ++i) v[r][i] = float((r * 37 + i * 11) % 23 + (i == r ? 100 * r : 0));
+  }
+  const vfloat sums = lane_sums(v);
+  for (int r = 0; r < kLanes; ++r) {
+    float want = 0.0f;
+    for (int i = 0; i < kLanes; ++i) want += v[r][i];
+    ASSERT_EQ(sums[r], want) << "vector " << r;
+  }
+}
+#endif
+
 ISA_TEST(Simd, AnyGreaterComparesLanewise) {
   SKIP_UNLESS_RUNNABLE();
   std::mt19937 gen(17);

@@ -105,6 +105,34 @@ inline float hsum(vfloat v) {
 #endif
 }
 
+#if defined(ATTNKIT_ISA_avx512)
+// out[i] = hsum(v[i]) for kLanes vectors: pairs of vectors halved into one by shuffles and
+// adds, 15 times (128-bit quarters, then 2-lane and 1-lane steps within them), then one
+// permute: ~3 operations per vector where hsum takes 7.
+inline vfloat lane_sums(const vfloat (&v)[kLanes]) {
+  vfloat quarters[8], lanes4[4], lanes2[2];
+  for (int i = 0; i < 8; ++i) {  // quarters 0-1: v[2i]'s halves summed, 2-3: v[2i + 1]'s
+    const vfloat a = v[2 * i], b = v[2 * i + 1];
+    quarters[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                  __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 4; ++i) {  // quarter k: 4 lanes summing to v[4i + k]'s total
+    const vfloat a = quarters[2 * i], b = quarters[2 * i + 1];
+    lanes4[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 2; ++i) {  // quarter k: 2 lanes each of lanes4[2i] and lanes4[2i + 1], interleaved
+    const vfloat a = lanes4[2 * i], b = lanes4[2 * i + 1];
+    lanes2[i] = __builtin_shufflevector(a, b, 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29) +
+                __builtin_shufflevector(a, b, 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
+  }
+  const vfloat a = lanes2[0], b = lanes2[1];  // quarter k, lane m: the total of v[4m + k]
+  const vfloat totals = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+                        __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  return __builtin_shufflevector(totals, totals, 0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+}
+#endif
+
 // Row-grouped vectors (the decode key block): a vector holds kLanes / S segments of S lanes,
 // one query row per segment. S = kLanes is the plain layout.
 
