@@ -183,7 +183,7 @@ class Indexer {
         const int64_t c = t * hpad_ + h;
         s.wcol[c] = p_.weights[r * p_.weights_stride[0] + h * p_.weights_stride[1]];
         const uint8_t* qh = qr + h * p_.q_stride[2];
-        if (kAmx && !keys_as_rows(blk.nr)) {  // an odd D's pad half stays zero
+        if (kAmx && !keys_as_rows()) {  // an odd D's pad half stays zero
           to_bf16.row(qh, p_.q_stride[3], p_.d, reinterpret_cast<uint16_t*>(q_pairs + c * d_pairs_));
         } else if constexpr (kBf16Dot) {
           uint32_t pairs[kMaxD / 2] = {};
@@ -202,11 +202,12 @@ class Indexer {
 #endif
   }
 
-  // On AMX, blocks of one query row (decode) compute Sᵀ = K · Qᵀ: K's bf16 rows as loaded are
-  // the A operand, and the head sums come out across lanes (lane_sums); blocks of more rows
-  // compute S = Q · Kᵀ, the key tile transposed into pairs once for all of them (IP, one row:
-  // Sᵀ 15.9 -> 11.0 ms with the keys in cache; IL, 8 rows: Sᵀ ~10% slower).
-  static bool keys_as_rows(int64_t nr) { return nr == 1; }
+  // On AMX, calls with one query row per batch entry (decode with next_n = 1) compute Sᵀ =
+  // K · Qᵀ: K's bf16 rows as loaded are the A operand, and the head sums come out across lanes
+  // (lane_sums); blocks of more rows compute S = Q · Kᵀ, the key tile transposed into pairs
+  // once for all of them (IP, one row: Sᵀ 15.9 -> 11.0 ms with the keys in cache; IL, 8 rows:
+  // Sᵀ ~10% slower). Decided per call, not per block, so that a call's rows all sum in one order.
+  bool keys_as_rows() const { return kAmx && p_.rows_per_batch == 1; }
 
   // Up to n keys from key j whose rows lie one after another (d bytes apart, elements
   // adjacent): the rest of j's page in a paged cache, all n in a contiguous flat K, else one;
@@ -260,7 +261,7 @@ class Indexer {
 
   // The key tile's logits of the block's nr rows: sums[t][j] = Σ_h w·ReLU(s) · k_scale for key
   // j < n (the block's empty columns are never computed: e.g. one decode row per sequence).
-  // On AMX, a single row (keys_as_rows): its Sᵀ [keys][heads] on tiles, then per key the
+  // On AMX, one-row calls (keys_as_rows): the row's Sᵀ [keys][heads] on tiles, then per key the
   // weighted ReLU over its heads, summed across lanes 16 keys at a time (relu_dot_keys);
   // more rows: per row its S [heads][keys] on tiles (the next row's issued before this row's
   // vector work, into the other of two buffers), then the reduction over heads along the
@@ -271,7 +272,7 @@ class Indexer {
 #if defined(ATTNKIT_ISA_avx512amx)
     const int64_t n_pad = round_up(n, kAmxTile);
     std::memset(s.kt + n * d_pairs_, 0, sizeof(float) * (n_pad - n) * d_pairs_);
-    if (keys_as_rows(nr)) {
+    if (keys_as_rows()) {
       gemm_amx_bf16(n_pad, hpad_, d_pairs_, reinterpret_cast<const uint32_t*>(s.kt), d_pairs_,
                     reinterpret_cast<const uint32_t*>(s.qt), hpad_, s.st, hpad_, false);
       relu_dot_keys(s.st, n_pad, s.wcol, s.sums);
