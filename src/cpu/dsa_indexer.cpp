@@ -56,11 +56,68 @@ inline uint64_t order_key(float v, uint32_t index) {
 }
 inline bool selectable(float v) { return v > -INFINITY; }  // false for -inf and NaN
 
-// The k best of a stream of (value, index) with a buffer of 2k keys: when it fills, the k best
-// are kept and the k-th becomes the bar a new candidate must pass.
+constexpr int kDigitBits = 11;  // radix digits of the sort and the selection below
+constexpr uint32_t kDigits = 1u << kDigitBits;
+
+// Sorts keys by their bits from low_bit up, equal ones kept in their order: LSD radix, 11 bits
+// a pass, where a comparison sort took a third of a top-k's time. low_bit 32 sorts by value
+// alone (top-k's candidates come in index order, so ties stay index-ascending).
+void radix_sort(std::vector<uint64_t>& keys, std::vector<uint64_t>& spare, int low_bit) {
+  spare.resize(keys.size());
+  for (int shift = low_bit; shift < 64; shift += kDigitBits) {
+    std::vector<uint32_t> start(kDigits + 1, 0);
+    for (const uint64_t key : keys) ++start[(key >> shift & (kDigits - 1)) + 1];
+    if (*std::max_element(start.begin(), start.end()) == keys.size()) continue;  // one digit: in order
+    for (uint32_t d = 1; d <= kDigits; ++d) start[d] += start[d - 1];
+    for (const uint64_t key : keys) spare[start[key >> shift & (kDigits - 1)]++] = key;
+    keys.swap(spare);
+  }
+}
+
+// Moves the k smallest of the (distinct) keys to the front, in no order, and returns the k-th
+// smallest (1 <= k <= size): 11-bit digits from the top, each splitting the keys that share
+// the k-th's higher digits into those below, at and above its digit by a histogram and a
+// branch-free scatter (std::nth_element's comparisons of random keys mispredict: it took
+// ~10% of the fused indexer).
+uint64_t select_smallest(std::vector<uint64_t>& keys, std::vector<uint64_t>& spare, int64_t k) {
+  spare.resize(keys.size());
+  int64_t lo = 0, hi = static_cast<int64_t>(keys.size());  // the keys sharing the k-th's digits so far
+  for (int shift = 64 - kDigitBits; hi - lo > 1; shift = std::max(shift - kDigitBits, 0)) {
+    uint32_t count[kDigits] = {};
+    for (int64_t i = lo; i < hi; ++i) ++count[keys[i] >> shift & (kDigits - 1)];
+    int64_t below = lo;
+    uint32_t digit = 0;
+    while (below + count[digit] < k) below += count[digit++];
+    int64_t at[3] = {lo, below, below + count[digit]};
+    for (int64_t i = lo; i < hi; ++i) {
+      const uint32_t d = keys[i] >> shift & (kDigits - 1);
+      spare[at[(d >= digit) + (d > digit)]++] = keys[i];
+    }
+    std::copy(spare.begin() + lo, spare.begin() + hi, keys.begin() + lo);
+    lo = below, hi = below + count[digit];
+    if (shift == 0) break;
+  }
+  return keys[k - 1];
+}
+
+// The k best of a stream of (value, index), indices ascending, with a buffer of 2k keys: when
+// it fills, the k best are kept and the k-th becomes the bar a new candidate must pass.
 class StreamingTopk {
  public:
   explicit StreamingTopk(int64_t k) : k_(k), bar_(UINT64_MAX) { keys_.reserve(std::min<int64_t>(2 * k, 4096)); }
+  // Values v[0 .. n) with indices first, first + 1, ..., after every index pushed so far: those
+  // past the bar's value (a later index loses a tie) are picked by lane masks, then pushed
+  // (by one per value, the fused indexer spent more time here than in its logits).
+  void push_run(const float* v, int64_t n, uint32_t first) {
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) {
+      for (uint32_t pass = lanes_greater(vload(v + i), vbroadcast(bar_value_)); pass != 0; pass &= pass - 1) {
+        const int64_t j = i + __builtin_ctz(pass);
+        push(v[j], first + static_cast<uint32_t>(j));
+      }
+    }
+    for (; i < n; ++i) push(v[i], first + static_cast<uint32_t>(i));
+  }
   void push(float v, uint32_t index) {
     if (!selectable(v)) return;
     const uint64_t key = order_key(v, index);
@@ -71,20 +128,29 @@ class StreamingTopk {
   // The selected indices, best first; returns how many (<= k).
   int64_t finish(uint32_t* out) {
     if (static_cast<int64_t>(keys_.size()) > k_) shrink();
-    std::sort(keys_.begin(), keys_.end());
+    radix_sort(keys_, spare_, 0);
     for (size_t i = 0; i < keys_.size(); ++i) out[i] = static_cast<uint32_t>(keys_[i]);
     return static_cast<int64_t>(keys_.size());
   }
 
  private:
   void shrink() {
-    std::nth_element(keys_.begin(), keys_.begin() + (k_ - 1), keys_.end());
-    bar_ = keys_[k_ - 1];
+    bar_ = select_smallest(keys_, spare_, k_);
+    bar_value_ = value_of(bar_);
     keys_.resize(k_);
+  }
+  // The value an order key was made from (+0 for either zero).
+  static float value_of(uint64_t key) {
+    const uint32_t u = ~static_cast<uint32_t>(key >> 32);
+    const uint32_t bits = (u & 0x80000000u) ? (u & 0x7FFFFFFFu) : ~u;
+    float v;
+    std::memcpy(&v, &bits, sizeof v);
+    return v;
   }
   int64_t k_;
   uint64_t bar_;
-  std::vector<uint64_t> keys_;
+  float bar_value_ = -INFINITY;  // every selectable value passes until the buffer first fills
+  std::vector<uint64_t> keys_, spare_;
 };
 
 // --- indexer logits -------------------------------------------------------------------------
@@ -410,9 +476,8 @@ class Indexer {
       load_keys(b, t0, n, s);
       tile_logits(n, s, blk.nr);
       for (int64_t t = 0; t < blk.nr; ++t) {
-        for (int64_t j = std::max(lo[t], t0); j < std::min(hi[t], t0 + n); ++j) {
-          best[t].push(s.sums[t * kKeyTile + j - t0], static_cast<uint32_t>(j - lo[t]));
-        }
+        const int64_t a = std::max(lo[t], t0), e = std::min(hi[t], t0 + n);
+        if (a < e) best[t].push_run(s.sums + t * kKeyTile + a - t0, e - a, static_cast<uint32_t>(a - lo[t]));
       }
     }
     std::vector<uint32_t> picked(p_.topk);
@@ -505,23 +570,6 @@ void select_candidates(const float* row, int64_t stride, int64_t len, int64_t k,
   collect(row, stride, len, bar_bin(row, stride, len, 1, k), keys);
 }
 
-// Sorts keys by their high 32 bits (the value order), equal ones kept in their order (the
-// candidates come in index order, so ties stay index-ascending): LSD radix, 11 bits a pass,
-// where a comparison sort of the candidates took a third of a top-k's time.
-void sort_by_value(std::vector<uint64_t>& keys, std::vector<uint64_t>& spare) {
-  constexpr int kDigitBits = 11;
-  constexpr uint32_t kDigits = 1u << kDigitBits;
-  spare.resize(keys.size());
-  for (int shift = 32; shift < 64; shift += kDigitBits) {
-    std::vector<uint32_t> start(kDigits + 1, 0);
-    for (const uint64_t key : keys) ++start[(key >> shift & (kDigits - 1)) + 1];
-    if (*std::max_element(start.begin(), start.end()) == keys.size()) continue;  // one digit: in order
-    for (uint32_t d = 1; d <= kDigits; ++d) start[d] += start[d - 1];
-    for (const uint64_t key : keys) spare[start[key >> shift & (kDigits - 1)]++] = key;
-    keys.swap(spare);
-  }
-}
-
 }  // namespace
 
 void indexer_logits(const IndexerParams& p) { Indexer(p).run(); }
@@ -534,7 +582,7 @@ void topk_select(const TopkParams& p) {
     const float* row = p.logits + r * p.logits_stride[0] + start * p.logits_stride[1];
     std::vector<uint64_t> keys, spare;
     select_candidates(row, p.logits_stride[1], len, p.topk, keys);
-    sort_by_value(keys, spare);
+    radix_sort(keys, spare, 32);
     const int64_t n = std::min<int64_t>(p.topk, keys.size());
     int32_t* out = p.out + r * p.out_stride[0];
     for (int64_t i = 0; i < p.topk; ++i) {

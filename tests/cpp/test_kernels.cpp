@@ -437,6 +437,7 @@ ISA_TEST(Simd, AnyGreaterComparesLanewise) {
     a[i] = b[i] + 1.0f;
     a[(i + 1) % kLanes] = NAN;  // ... but does not hide a greater lane elsewhere
     EXPECT_TRUE(any_greater(a, b)) << "lane " << i;
+    EXPECT_EQ(lanes_greater(a, b), 1u << i) << "lane " << i;  // and names it
     a[i] = NAN;
     EXPECT_FALSE(any_greater(a, b)) << "lane " << i;
   }

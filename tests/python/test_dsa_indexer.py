@@ -141,6 +141,24 @@ def test_fused_topk_equals_topk_of_logits():
         assert np.array_equal(plain, D.topk_ref(logits, ke - ks, k, ks))
 
 
+def test_fused_topk_rising_and_falling_rows():
+    # logits ∝ w · kv_scale with one key row repeated: scales rising by a hair make every key
+    # the new best (each must pass the streaming bar, just above it); w = -1 makes every key
+    # worse than the last (each must be filtered, none lost)
+    rng = np.random.default_rng(13)
+    S, D_, k = 3000, 32, 64
+    kv = np.repeat(fp8(rng, (1, D_)), S, axis=0)
+    q = np.repeat(kv[None, :1], 2, axis=0)  # q·k = |k|² > 0
+    kv_scale = (0.05 + 1e-6 * np.arange(S)).astype(np.float32)
+    w = np.array([[1.0], [-1.0]], np.float32)
+    ks, ke = np.zeros(2, np.int32), np.full(2, S, np.int32)
+    logits = dsa.fp8_mqa_logits(q, (kv, kv_scale), w, ks, ke)
+    assert (np.diff(logits[0]) > 0).all() and (np.diff(logits[1]) < 0).all()
+    fused = dsa.fp8_mqa_topk(q, (kv, kv_scale), w, ks, ke, k)
+    assert np.array_equal(fused, dsa.topk(logits, ke - ks, k, row_starts=ks))
+    assert np.array_equal(fused, D.topk_ref(logits, ke - ks, k, ks))
+
+
 def paged_case(rng, B, next_n, H, D_, page, max_len):
     lens = rng.integers(0, max_len + 1, size=(B, next_n)).astype(np.int32)
     lens[0, :] = max_len

@@ -58,20 +58,22 @@ inline float hmax(vfloat v) {
   for (int i = 1; i < kLanes; ++i) m = v[i] > m ? v[i] : m;
   return m;
 }
-// Whether any lane of a exceeds the same lane of b (false where either is NaN).
-inline bool any_greater(vfloat a, vfloat b) {
+// Bit i set where a[i] > b[i] (clear where either is NaN).
+inline uint32_t lanes_greater(vfloat a, vfloat b) {
 #if defined(ATTNKIT_ISA_avx512)
-  return _mm512_cmp_ps_mask((__m512)a, (__m512)b, _CMP_GT_OQ) != 0;
+  return _mm512_cmp_ps_mask((__m512)a, (__m512)b, _CMP_GT_OQ);
 #elif defined(ATTNKIT_ISA_avx2)
-  return _mm256_movemask_ps(_mm256_cmp_ps((__m256)a, (__m256)b, _CMP_GT_OQ)) != 0;
+  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps((__m256)a, (__m256)b, _CMP_GT_OQ)));
 #elif defined(__SSE2__)
-  return _mm_movemask_ps(_mm_cmpgt_ps((__m128)a, (__m128)b)) != 0;
+  return static_cast<uint32_t>(_mm_movemask_ps(_mm_cmpgt_ps((__m128)a, (__m128)b)));
 #else
-  bool any = false;
-  for (int i = 0; i < kLanes; ++i) any |= a[i] > b[i];
-  return any;
+  uint32_t bits = 0;
+  for (int i = 0; i < kLanes; ++i) bits |= uint32_t{a[i] > b[i]} << i;
+  return bits;
 #endif
 }
+// Whether any lane of a exceeds the same lane of b (false where either is NaN).
+inline bool any_greater(vfloat a, vfloat b) { return lanes_greater(a, b) != 0; }
 // Bit i set where a[i] <= b[i], unsigned.
 inline uint32_t lanes_at_most(vuint a, vuint b) {
 #if defined(ATTNKIT_ISA_avx512)
