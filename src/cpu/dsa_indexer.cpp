@@ -107,7 +107,7 @@ class StreamingTopk {
   explicit StreamingTopk(int64_t k) : k_(k), bar_(UINT64_MAX) { keys_.reserve(std::min<int64_t>(2 * k, 4096)); }
   // Values v[0 .. n) with indices first, first + 1, ..., after every index pushed so far: those
   // past the bar's value (a later index loses a tie) are picked by lane masks, then pushed
-  // (by one per value, the fused indexer spent more time here than in its logits).
+  // (pushing every value cost the fused indexer more time than its logits).
   void push_run(const float* v, int64_t n, uint32_t first) {
     int64_t i = 0;
     for (; i + kLanes <= n; i += kLanes) {
@@ -118,13 +118,6 @@ class StreamingTopk {
     }
     for (; i < n; ++i) push(v[i], first + static_cast<uint32_t>(i));
   }
-  void push(float v, uint32_t index) {
-    if (!selectable(v)) return;
-    const uint64_t key = order_key(v, index);
-    if (key >= bar_) return;
-    keys_.push_back(key);
-    if (static_cast<int64_t>(keys_.size()) == 2 * k_) shrink();
-  }
   // The selected indices, best first; returns how many (<= k).
   int64_t finish(uint32_t* out) {
     if (static_cast<int64_t>(keys_.size()) > k_) shrink();
@@ -134,6 +127,13 @@ class StreamingTopk {
   }
 
  private:
+  void push(float v, uint32_t index) {
+    if (!selectable(v)) return;
+    const uint64_t key = order_key(v, index);
+    if (key >= bar_) return;
+    keys_.push_back(key);
+    if (static_cast<int64_t>(keys_.size()) == 2 * k_) shrink();
+  }
   void shrink() {
     bar_ = select_smallest(keys_, spare_, k_);
     bar_value_ = value_of(bar_);
