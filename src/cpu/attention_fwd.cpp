@@ -31,7 +31,7 @@ void run_attention(const AttentionParams& p, const QuantizedKeys* kq = nullptr) 
   const Plan plan(p, kq != nullptr, kq != nullptr && kq->v_codes != nullptr);
   AlignedBuffer<float> workspace(plan.workspace_floats * threads);
   AlignedBuffer<float> partial(plan.partial_floats * plan.slots);
-  AlignedBuffer<uint32_t> v_pairs(plan.v_pairs ? p.B * p.Hkv * ((p.Skv + 1) / 2) * plan.dv_pad : 0);
+  AlignedBuffer<uint32_t> v_pairs(plan.v_pairs ? p.B * p.Hkv * plan.v_pairs_per_head * plan.dv_pad : 0);
   if constexpr (T == DType::bfloat16 && TK == T) {
     if (plan.v_pairs) fwd::prepare_v_pairs<T>(p, plan, v_pairs.data);
   }

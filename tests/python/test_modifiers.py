@@ -119,19 +119,34 @@ def test_window_edges_decode_and_splits(rng, isa, Sq, left, right, dtype):
           alibi_slopes=np.array([0.01], np.float32), sinks=np.array([1.5], np.float32))
 
 
-def test_window_skips_whole_tiles(rng, isa):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_window_skips_whole_tiles(rng, isa, dtype):
     """Key tiles wholly left of a row block's window are never read: with NaN in K and V
     below key 256, the rows whose blocks start their window at or past 256 (query blocks
-    of 48 from position 384: 384 - 100 >= 256) are bit-identical; a read would make them NaN
-    (P = 0 times V = NaN). The rows that do see those keys are NaN."""
+    of 48, or 64 on AMX tiles, from position 384: 384 - 100 >= 256, whose keys start at 284
+    rounded down to 4, or to 256 on AMX's V slabs of 32 keys) are bit-identical; a read would
+    make them NaN (P = 0 times V = NaN). The rows that do see those keys are NaN."""
     Sq = Skv = 600
-    q, k, v = make_qkv(rng, 1, 2, 2, Sq, Skv, 32, 32)
+    q, k, v = make_qkv(rng, 1, 2, 2, Sq, Skv, 32, 32, dtype)
     ref = attnkit.attention(q, k, v, causal=True, window=(100, -1))
     k[:, :, :256] = np.nan
     v[:, :, :256] = np.nan
     got = attnkit.attention(q, k, v, causal=True, window=(100, -1))
     assert_bits_equal(got[:, :, 384:], ref[:, :, 384:], "rows whose window starts past the NaN tiles")
     assert np.isnan(got[:, :, :356]).all()
+
+
+@pytest.mark.parametrize("left", [1, 45, 700, -1])
+@pytest.mark.parametrize("Sq,Skv", [(200, 255), (200, 289), (70, 2101)])
+def test_window_bf16_v_prepared(rng, isa, Sq, Skv, left):
+    """bf16 prefill with more rows per kv head than a task holds, so V's pairs are prepared
+    once per call (on AMX tiles as Vᵀ's slabs of 32 keys, Oᵀ += Vᵀ · Pᵀ): window edges inside
+    a slab (the block's keys then start on the slab border below, the keys before the edge
+    masked), tiles that end mid-slab and on an odd key, and (Sq 70: two row blocks) keys
+    split across tasks from the window's first slab."""
+    q, k, v = make_qkv(rng, 1, 4, 2, Sq, Skv, 32, 48, "bfloat16")
+    check(q, k, v, "bfloat16", causal="bottom_right", enable_gqa=True, window=(left, -1))
+    check(q, k, v, "bfloat16", enable_gqa=True, window=(left, 3))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

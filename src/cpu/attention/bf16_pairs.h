@@ -13,6 +13,7 @@
 #include "cpu/kernels/dot.h"
 #include "cpu/kernels/gemm_amx.h"
 #include "cpu/kernels/gemm_dot.h"
+#include "cpu/kernels/workspace.h"
 
 namespace attnkit::cpu::ATTNKIT_ISA::fwd {
 
@@ -158,6 +159,7 @@ void AttentionTask<T, TK>::pv_amx(const RowBlock& rb, const KvRows<EK>& vrows, u
   const int64_t ld = plan_.rows_pad, dv_pad = plan_.dv_pad, pairs = (bc + 1) / 2;
   const int64_t kp = round_up(pairs, kAmxTile);
   std::memset(pp + pairs * ld, 0, sizeof(uint32_t) * (kp - pairs) * ld);
+  if (plan_.v_slabs) return pv_amx_slabs(rb, pp, j0, bc, w);
   uint32_t* vp = reinterpret_cast<uint32_t*>(w.v);
   if (!v_pairs_) interleave_v_tile(vrows, j0, bc, vp, w);  // first: an fp8 cache's rows pass through w.k
   uint32_t* p_rows = reinterpret_cast<uint32_t*>(w.k);  // [ld][kp]
@@ -181,6 +183,34 @@ void AttentionTask<T, TK>::pv_amx(const RowBlock& rb, const KvRows<EK>& vrows, u
   }
   std::memset(rest, 0, sizeof(uint32_t) * (kp - pairs) * dv_pad);
   gemm_amx_bf16(ld, dv_pad, kp - in_place, p_rows + in_place, kp, vp, dv_pad, w.o, dv_pad, true);
+}
+
+// Oᵀ += Vᵀ · Pᵀ on AMX tiles (Plan::v_slabs): Pᵀ's pairs pp [pair][row] are the B operand as
+// the softmax wrote them (zero past the tile's pairs), Vᵀ's slabs the A operand in place, so
+// P needs no transpose (the tile loop transposes Oᵀ once per row block instead: measured
+// 7-10% off bf16 prefill). j0 lies on a slab border (visible_keys); a last slab the tile's
+// keys fill only in part is copied with its pairs past the tile, and the partner of a lone
+// last key, zeroed (those keys may lie past the causal limit or a split and hold anything).
+template <DType T, DType TK>
+void AttentionTask<T, TK>::pv_amx_slabs(const RowBlock& rb, const uint32_t* pp, int64_t j0, int64_t bc,
+                                        const Workspace& w) const {
+  const int64_t ld = plan_.rows_pad, dv_pad = plan_.dv_pad, slab = kAmxTile * dv_pad;
+  const int64_t head = rb.b * p_.Hkv + rb.kvh;
+  const uint32_t* slabs = v_pairs_ + head * plan_.v_pairs_per_head * dv_pad + j0 / kVSlabKeys * slab;
+  const int64_t whole = bc / kVSlabKeys;  // slabs whose keys all lie in the tile
+  if (whole > 0) gemm_amx_bf16(dv_pad, ld, whole * kAmxTile, slabs, kAmxTile, pp, ld, w.ot, ld, true, slab);
+  const int64_t rest = bc - whole * kVSlabKeys;
+  if (rest == 0) return;
+  const uint32_t* last = slabs + whole * slab;
+  uint32_t* staged = reinterpret_cast<uint32_t*>(w.v);
+  const int64_t full = rest / 2;  // pairs whose two keys are both in the tile
+  for (int64_t d = 0; d < dv_pad; ++d) {
+    for (int64_t c = 0; c < kAmxTile; ++c) {
+      const uint32_t pair = last[d * kAmxTile + c];
+      staged[d * kAmxTile + c] = c < full ? pair : c == full && rest % 2 ? pair & 0xFFFFu : 0u;
+    }
+  }
+  gemm_amx_bf16(dv_pad, ld, kAmxTile, staged, kAmxTile, pp + whole * kAmxTile * ld, ld, w.ot, ld, true);
 }
 
 // Decode on AMX tiles (Mode::amx_tiles), before the row block's first key block: the tiles
@@ -390,17 +420,15 @@ uint32_t* AttentionTask<T, TK>::pack_fp8_key_pairs(const KvRows<EK>& krows, int6
 }
 
 // bf16 V of a dense call as pairs of consecutive keys, once per (batch, kv head), in the
-// layout of sage's (QuantizedKeys::v_pairs): every task of the kv head shares them instead
-// of interleaving each V tile itself. Keys past the batch's key length are zero.
+// layout of sage's (QuantizedKeys::v_pairs), or on AMX tiles (Plan::v_slabs) as Vᵀ's slabs:
+// every task of the kv head shares them instead of interleaving each V tile itself. Keys
+// past the batch's key length are zero.
 template <DType T>
 void prepare_v_pairs(const AttentionParams& p, const Plan& plan, uint32_t* v_pairs) {
-  const int64_t pairs = (p.Skv + 1) / 2, dv_pad = plan.dv_pad;
-  auto body = [&](int64_t head, int) {
-    const int64_t b = head / p.Hkv, kvh = head % p.Hkv, skv = p.kv_len ? p.kv_len[b] : p.Skv;
-    const uint16_t* v =
-        static_cast<const uint16_t*>(p.v) + b * p.v_stride[0] + kvh * p.v_stride[1];  // T is bf16 here
-    for (int64_t jp = 0; jp < pairs; ++jp) {
-      uint32_t* dst = v_pairs + (head * pairs + jp) * dv_pad;
+  const int64_t pairs = plan.v_pairs_per_head, dv_pad = plan.dv_pad;
+  // Pair rows [jp][dv_pad] (a slab's 16 staged in scratch, then transposed into it).
+  auto pair_rows = [&](const uint16_t* v, int64_t skv, int64_t jp0, int64_t n, uint32_t* dst) {
+    for (int64_t jp = jp0; jp < jp0 + n; ++jp, dst += dv_pad) {
       const int64_t j = 2 * jp;
       if (j >= skv) {
         std::memset(dst, 0, sizeof(uint32_t) * dv_pad);
@@ -408,6 +436,21 @@ void prepare_v_pairs(const AttentionParams& p, const Plan& plan, uint32_t* v_pai
       }
       interleave_bf16_rows(v + j * p.v_stride[2], j + 1 < skv ? v + (j + 1) * p.v_stride[2] : nullptr,
                            p.v_stride[3], p.Dv, dv_pad, dst);
+    }
+  };
+  AlignedBuffer<uint32_t> scratch(plan.v_slabs ? kLanes * dv_pad * detail::num_threads() : 0);
+  auto body = [&](int64_t head, int thread) {
+    const int64_t b = head / p.Hkv, kvh = head % p.Hkv, skv = p.kv_len ? p.kv_len[b] : p.Skv;
+    const uint16_t* v =
+        static_cast<const uint16_t*>(p.v) + b * p.v_stride[0] + kvh * p.v_stride[1];  // T is bf16 here
+    uint32_t* dst = v_pairs + head * pairs * dv_pad;
+    if (!plan.v_slabs) return pair_rows(v, skv, 0, pairs, dst);
+    static_assert(kVSlabKeys == 2 * kLanes, "a slab is transposed as one kLanes-row block");
+    uint32_t* rows = scratch.data + kLanes * dv_pad * thread;
+    for (int64_t jp = 0; jp < pairs; jp += kLanes, dst += kLanes * dv_pad) {
+      pair_rows(v, skv, jp, kLanes, rows);
+      transpose_matrix(reinterpret_cast<const float*>(rows), dv_pad, kLanes, dv_pad, reinterpret_cast<float*>(dst),
+                       kLanes);
     }
   };
   detail::parallel_for(p.B * p.Hkv, detail::num_threads(), body);

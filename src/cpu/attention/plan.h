@@ -53,6 +53,9 @@ constexpr bool kAmxTiles = false;
 constexpr int64_t kAmxKvTile = 256;
 // Rows of Sᵀ: AMX writes whole tiles of 16 keys, so a tile's last keys may fill one past it.
 constexpr int64_t kScoreRows = kAmxTiles ? kAmxKvTile + 16 : kKvTile;
+// Keys of one slab of V's prepared pairs on AMX tiles (Plan::v_slabs): one tile's depth, 16
+// pairs. Row blocks of such calls start their keys on a slab border.
+constexpr int64_t kVSlabKeys = 32;
 
 // K and V prepared once per call for sage int8 mode (prepare_sage): K smoothed by its
 // per-head mean over tokens (softmax is invariant to it; lse is corrected), then int8 with
@@ -126,6 +129,9 @@ struct Plan {
   bool pv_int8;              // sage int8_pv_int8 mode: P·V on u8 P and s8 V codes too
   bool v_in_place;           // fp32 V rows with unit stride need no packing
   bool v_pairs;              // bf16 V prepared as key pairs once per call (prepare_v_pairs)
+  bool v_slabs;              // on AMX tiles those pairs as Vᵀ in slabs of kVSlabKeys keys, the tile
+                             // loop accumulating Oᵀ += Vᵀ · Pᵀ (pv_amx_slabs)
+  int64_t v_pairs_per_head;  // the prepared pairs of one kv head (whole slabs with v_slabs)
   bool amx;                  // the tile loop's P·V on pairs (and bf16 Sᵀ) on AMX tiles (avx512amx)
   bool group_kv_heads;       // decode tasks run several kv heads (kDecodeKvHeads): they lie side by side
   int64_t head_state_floats;  // one kv head's decode state in such a task (Workspace::head)
@@ -167,6 +173,8 @@ struct Plan {
     // Dense calls whose kv heads serve more than one task's rows: else each V tile is
     // interleaved into pairs about once anyway.
     v_pairs = tile.pv_bf16 && !int8 && !p.block_table && !p.kv_begin && p.Sq * p.group > row_target;
+    v_slabs = v_pairs && amx;
+    v_pairs_per_head = v_slabs ? round_up(p.Skv, kVSlabKeys) / 2 : (p.Skv + 1) / 2;
     key_tile = amx && !int8 ? kAmxKvTile : kKvTile;  // sage's K scales are per kKvTile keys
     k_floats = std::max(kKvTile * d_pad, amx ? rows_pad * key_tile / 2 : 0);
     for (int64_t r = 1; r <= kLanes / 2; ++r) few[r] = make_mode(p, r, !int8 && r <= kMaxDotRows);

@@ -138,12 +138,12 @@ class AttentionTask {
 
   // Keys [begin, end) that some row of the block can see: up to the causal limit or the
   // window's right edge of its last row, from the window's left edge of its first row
-  // rounded down to a multiple of 4 (one dropout draw covers 4 keys), or for sage to a tile
-  // border (its K scales and V pairs are per tile). Keys outside are never visited, so a
-  // window costs O(Sq · window).
+  // rounded down to a multiple of 4 (one dropout draw covers 4 keys), for sage to a tile
+  // border (its K scales and V pairs are per tile), with V's slabs to a slab border. Keys
+  // outside are never visited, so a window costs O(Sq · window).
   KeyRange visible_keys(const RowBlock& rb) const {
     const int64_t first = rb.i0 + key_offset(rb), last = first + rb.nq - 1;  // aligned positions
-    const int64_t align = plan_.int8 ? kKvTile : 4;
+    const int64_t align = plan_.int8 ? kKvTile : plan_.v_slabs ? kVSlabKeys : 4;
     KeyRange keys{0, rb.skv};
     if (p_.causal && last + 1 < keys.end) keys.end = last + 1;
     if (p_.window_right >= 0 && last + p_.window_right + 1 < keys.end) keys.end = last + p_.window_right + 1;
@@ -254,6 +254,7 @@ class AttentionTask {
   void qk_amx(const KvRows<EK>& krows, bool k_in_place, int64_t j0, int64_t bc, const Workspace& w) const;
   void pv_amx(const RowBlock& rb, const KvRows<EK>& vrows, uint32_t* pp, int64_t j0, int64_t bc,
               const Workspace& w) const;
+  void pv_amx_slabs(const RowBlock& rb, const uint32_t* pp, int64_t j0, int64_t bc, const Workspace& w) const;
 #endif
   // Decode on AMX tiles (bf16_pairs.h; defined on avx512amx only, called under kAmxTiles).
   void start_rows_amx(const RowBlock& rb, const Workspace& w) const;
@@ -281,7 +282,9 @@ class AttentionTask {
   const AttentionParams& p_;
   const Plan& plan_;
   const QuantizedKeys* kq_;  // sage int8 mode only
-  const uint32_t* v_pairs_;  // V as bf16 key pairs, [B][Hkv][ceil(Skv / 2)][dv_pad] (sage's or dense's), or null
+  // V as bf16 key pairs (sage's or dense's), or null: [B][Hkv][ceil(Skv / 2)][dv_pad], or with
+  // Plan::v_slabs Vᵀ's slabs [B][Hkv][slab][dv_pad][16 pairs].
+  const uint32_t* v_pairs_;
 };
 
 }  // namespace attnkit::cpu::ATTNKIT_ISA::fwd

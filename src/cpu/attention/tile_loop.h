@@ -94,11 +94,13 @@ void AttentionTask<T, TK>::attend(const RowBlock& rb, int64_t begin, int64_t end
 // into w.o at the end) rather than O: where V can be the broadcast operand of P·V (fp32 V,
 // and bf16 V as key pairs outside sage), Oᵀ += Vᵀ · Pᵀ has the shape of Sᵀ = K · Qᵀ (rows
 // along the lanes, V rows read once in address order) and runs 7-8% faster than O's tall
-// tiles. The products and their order per output are the same, so the results too. AMX
-// tiles take P as rows and V as pairs, so they accumulate O.
+// tiles. The products and their order per output are the same, so the results too. On AMX
+// tiles Oᵀ where V's pairs are prepared as Vᵀ's slabs (pv_amx_slabs: Pᵀ's pairs are then the
+// B operand as the softmax wrote them), else O (P's rows transposed per tile).
 template <DType T, DType TK>
 bool AttentionTask<T, TK>::o_transposed(const RowBlock& rb) const {
-  return !rb.mode->key_blocks && !plan_.int8 && !plan_.amx && (rb.mode->pv_bf16 || !rb.mode->v_split_bf16);
+  if (rb.mode->key_blocks || plan_.int8) return false;
+  return plan_.amx ? plan_.v_slabs : rb.mode->pv_bf16 || !rb.mode->v_split_bf16;
 }
 
 // O *= alpha, row by row, where the running max moved.
