@@ -685,14 +685,14 @@ def test_dropout_seeds(rng, p):
 def test_dropout_does_not_change_lse(rng, dtype):
     """lse is the undropped softmax's. Bitwise where both calls take the same softmax; bf16
     without dropout takes the fused bf16-pairs softmax (its lazy max moves the reference the
-    sum is taken against), so there within an ulp or two of fp32."""
+    sum is taken against, and its exp2 is to 3e-6 relative), so there within 4e-6 of it."""
     q, k, v = make_qkv(rng, 2, 2, 1, 33, 70, 16, 16, dtype)
     _, lse0 = attnkit.attention(q, k, v, enable_gqa=True, causal="bottom_right", return_lse=True)
     for p, seed in ((0.1, 3), (0.5, None), (0.9, 11)):
         out, lse = attnkit.attention(q, k, v, enable_gqa=True, causal="bottom_right",
                                      dropout_p=p, seed=seed, return_lse=True)
         if dtype == "bfloat16":
-            assert_close(lse, lse0, 0.0, 2.5e-7, name=f"lse with dropout_p={p}")
+            assert_close(lse, lse0, 4e-6, 2.5e-7, name=f"lse with dropout_p={p}")
         else:
             assert_bits_equal(lse, lse0, f"lse with dropout_p={p}")
         assert np.isfinite(out.astype(np.float32)).all()

@@ -277,11 +277,17 @@ inline uint32_t touch_lines(const void* p, int64_t bytes) {
 
 // 2^x for x <= 0 (softmax exponents after max subtraction), relative error ~1 ulp;
 // exactly 1 at 0. x below -126 gives exactly 0 (so masked -inf scores vanish); NaN stays NaN.
+// kForBf16: to 3e-6 relative instead (a degree-4 polynomial, two FMAs fewer), for
+// probabilities rounded to bf16 next (the bf16 pairs softmax), whose rounding (2^-9) is a
+// thousand times coarser; torch's CPU flash attention takes its 20-ulp exp_u20 there.
+template <bool kForBf16 = false>
 inline vfloat vexp2(vfloat x) {
   // x = n + f with n integer and f in [-0.5, 0.5]; 2^f from a polynomial, then times 2^n.
 #if defined(ATTNKIT_ISA_avx512)
-  // One rounding instruction, and vscalefps for 2^n (NaN and -inf pass through as NaN).
-  const vfloat n = (vfloat)_mm512_maskz_roundscale_ps(0xFFFF, (__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // n by the 1.5 * 2^23 rounding (an add and a sub on either vector port; vrndscaleps is two
+  // uops on port 0 alone, and gives the same n), vscalefps for 2^n. -inf gives n = -inf and
+  // f = NaN, NaN stays NaN: the select below picks both results.
+  const vfloat n = (x + 12582912.0f) - 12582912.0f;
   const vfloat f = x - n;
 #else
   // NaN (and -inf) clamp to -126 too, so that n always fits the exponent field: the result
@@ -290,13 +296,20 @@ inline vfloat vexp2(vfloat x) {
   const vfloat n = (clamped + 12582912.0f) - 12582912.0f;  // 1.5 * 2^23 rounds to nearest
   const vfloat f = clamped - n;
 #endif
-  // 1 + f·q(f): relative minimax of degree 6 on [-0.5, 0.5] (error 2e-9 before rounding).
-  vfloat p = vbroadcast(1.5353362e-04f);
-  p = p * f + 1.3398875e-03f;
-  p = p * f + 9.6184369e-03f;
-  p = p * f + 5.5503324e-02f;
-  p = p * f + 2.4022648e-01f;
-  p = p * f + 6.9314718e-01f;
+  vfloat p;
+  if constexpr (kForBf16) {  // 1 + f·q(f): near-minimax relative of degree 4 (error 2.9e-6)
+    p = vbroadcast(9.58285294e-03f);
+    p = p * f + 5.59064262e-02f;
+    p = p * f + 2.40240991e-01f;
+    p = p * f + 6.93124175e-01f;
+  } else {  // relative minimax of degree 6 on [-0.5, 0.5] (error 2e-9 before rounding)
+    p = vbroadcast(1.5353362e-04f);
+    p = p * f + 1.3398875e-03f;
+    p = p * f + 9.6184369e-03f;
+    p = p * f + 5.5503324e-02f;
+    p = p * f + 2.4022648e-01f;
+    p = p * f + 6.9314718e-01f;
+  }
   p = p * f + 1.0f;
 #if defined(ATTNKIT_ISA_avx512)
   const vfloat r = (vfloat)_mm512_maskz_scalef_ps(0xFFFF, (__m512)p, (__m512)n);

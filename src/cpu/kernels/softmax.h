@@ -64,7 +64,7 @@ inline void online_softmax_rows_of(float* st, int64_t n_keys, int64_t ld, float 
     vfloat neg_ref_log2e[G];
 #pragma GCC unroll 4
     for (int g = 0; g < G; ++g) neg_ref_log2e[g] = m_ref[g] * -kLog2e;
-    auto p_of = [&](int64_t j, int g) { return vexp2(score(j, g) * scale_log2e + neg_ref_log2e[g]); };
+    auto p_of = [&](int64_t j, int g) { return vexp2<true>(score(j, g) * scale_log2e + neg_ref_log2e[g]); };
     for (int64_t j = 0; j < n_keys; j += 2) {
 #pragma GCC unroll 4
       for (int g = 0; g < G; ++g) {
