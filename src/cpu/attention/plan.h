@@ -48,9 +48,9 @@ constexpr bool kAmxTiles = true;
 constexpr bool kAmxTiles = false;
 #endif
 // Keys per tile of the bf16 tile loop on AMX tiles: P·V's accumulators are loaded and stored
-// per tile, and 256 keys halve that traffic (the product measured 5.7 against 6.6 ns per
-// tile instruction at 128).
-constexpr int64_t kAmxKvTile = 256;
+// per tile, and 256 keys halved that traffic (the product measured 5.7 against 6.6 ns per
+// tile instruction at 128); 512 took bf16 prefill another 4-5% (machine X7, shapes V, A).
+constexpr int64_t kAmxKvTile = 512;
 // Rows of Sᵀ: AMX writes whole tiles of 16 keys, so a tile's last keys may fill one past it.
 constexpr int64_t kScoreRows = kAmxTiles ? kAmxKvTile + 16 : kKvTile;
 // Keys of one slab of V's prepared pairs on AMX tiles (Plan::v_slabs): one tile's depth, 16
@@ -120,6 +120,7 @@ struct Plan {
   std::vector<Sequence> seqs;  // heavy first
   int64_t rows_pad, d_pad, dv_pad, workspace_floats, partial_floats;
   int64_t k_floats;          // the K tile's space (AMX also stages P's rows there)
+  int64_t v_floats;          // the V tile's space: kKvTile rows, or key_tile / 2 pairs (AMX)
   int64_t key_tile;          // keys per tile of the tile loop: kKvTile, or kAmxKvTile (bf16 on AMX)
   bool fp8_cache;            // K and V in a float8 cache (e4m3, e5m2)
   bool bf16_dot;             // bf16 inputs (or fp8_pairs) on avx512bf16: K·Qᵀ with vdpbf16ps
@@ -177,6 +178,7 @@ struct Plan {
     v_pairs_per_head = v_slabs ? round_up(p.Skv, kVSlabKeys) / 2 : (p.Skv + 1) / 2;
     key_tile = amx && !int8 ? kAmxKvTile : kKvTile;  // sage's K scales are per kKvTile keys
     k_floats = std::max(kKvTile * d_pad, amx ? rows_pad * key_tile / 2 : 0);
+    v_floats = std::max(kKvTile, key_tile / 2) * dv_pad;
     for (int64_t r = 1; r <= kLanes / 2; ++r) few[r] = make_mode(p, r, !int8 && r <= kMaxDotRows);
     int64_t qt_floats = 0;  // Q grouped for dot_key_block (dot.h's group_rows)
     for (int64_t r = 1; r <= kLanes / 2; ++r) {
@@ -192,7 +194,7 @@ struct Plan {
                        + rows_pad * dv_pad     // output accumulators
                        + kScoreRows * rows_pad  // Sᵀ, then Pᵀ
                        + k_floats              // K tile (when packed)
-                       + kKvTile * dv_pad      // V tile (when packed; AMX: up to kAmxKvTile keys in pairs)
+                       + v_floats              // V tile (when packed, or as pairs)
                        + 8 * rows_pad          // running max, sum, rescale; int8 q scale, sum;
                                                // sage's row shift; ALiBi slope, distance
                        + dv_pad * rows_pad;    // output accumulators transposed (tile loop)
@@ -335,7 +337,7 @@ struct Workspace {
     st = o + plan.rows_pad * plan.dv_pad;
     k = st + kScoreRows * plan.rows_pad;
     v = k + plan.k_floats;
-    m = v + kKvTile * plan.dv_pad;
+    m = v + plan.v_floats;
     l = m + plan.rows_pad;
     alpha = l + plan.rows_pad;
     q_scale = alpha + plan.rows_pad;
