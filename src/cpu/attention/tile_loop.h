@@ -70,7 +70,7 @@ void AttentionTask<T, TK>::attend(const RowBlock& rb, int64_t begin, int64_t end
     apply_masks(rb, j0, bc, scores);
     if (fused_pairs) {
       online_softmax_tile_bf16_pairs(w.st, bc, ld, ld, rb.scale, w.m, w.l, w.alpha);
-      rescale_output(rb, w);
+      if (j0 != begin) rescale_output(rb, w);  // the first tile's O is zero
       pv_bf16(rb, vrows, j0, bc, true, w);
       continue;
     }
@@ -79,7 +79,7 @@ void AttentionTask<T, TK>::attend(const RowBlock& rb, int64_t begin, int64_t end
       pv_int8(rb, j0, bc, w);
       continue;
     }
-    rescale_output(rb, w);
+    if (j0 != begin) rescale_output(rb, w);
     if (p_.dropout_p > 0.0f) apply_dropout(rb, j0, bc, scores);
     if (rb.mode->pv_bf16) {
       pv_bf16(rb, vrows, j0, bc, false, w);
