@@ -49,7 +49,7 @@ constexpr bool kAmxTiles = false;
 #endif
 // Keys per tile of the bf16 tile loop on AMX tiles: P·V's accumulators are loaded and stored
 // per tile, and 256 keys halved that traffic (the product measured 5.7 against 6.6 ns per
-// tile instruction at 128); 512 took bf16 prefill another 4-5% (machine X7, shapes V, A).
+// tile instruction at 128); 512 took bf16 prefill another 3-5% (machine X7, shapes V, A).
 constexpr int64_t kAmxKvTile = 512;
 // Rows of Sᵀ: AMX writes whole tiles of 16 keys, so a tile's last keys may fill one past it.
 constexpr int64_t kScoreRows = kAmxTiles ? kAmxKvTile + 16 : kKvTile;
