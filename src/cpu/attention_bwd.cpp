@@ -79,8 +79,8 @@ constexpr bool kAmx = false;
 
 // gemm_bf16 where the ISA has it (callers use it only when kDotProducts), each tile over its
 // rows' band of pairs. On avx512amx the whole tiles of rows go to AMX tiles (over all pairs)
-// where A's pairs are contiguous (a_step 1) and n and the pairs fill whole tiles; the last
-// rows, and other shapes, stay on gemm_bf16.
+// where A's pairs are contiguous (a_step 1) and n and the pairs fill whole tiles (the task
+// configured them); the last rows, and other shapes, stay on gemm_bf16.
 template <int MR, int NV, class Band = NoBand>
 void gemm_pairs(int64_t m, int64_t n, int64_t pairs, const uint32_t* a, int64_t lda, int64_t a_step,
                 const uint32_t* b, int64_t ldb, float* c, int64_t ldc, bool accumulate, Band band = {}) {
@@ -88,7 +88,6 @@ void gemm_pairs(int64_t m, int64_t n, int64_t pairs, const uint32_t* a, int64_t 
 #if defined(ATTNKIT_ISA_avx512amx)
   m0 = m / kAmxTile * kAmxTile;
   if (m0 > 0 && n % kAmxTile == 0 && pairs % kAmxTile == 0 && a_step == 1) {
-    amx_configure();
     gemm_amx_bf16(m0, n, pairs, a, lda, b, ldb, c, ldc, accumulate);
   } else {
     m0 = 0;
@@ -338,6 +337,9 @@ class Backward {
   // handed out first and the lighter ones even out the threads' ends.
   void run(int64_t t, float* workspace) const {
     const BackwardWorkspace w(workspace, plan_);
+#if defined(ATTNKIT_ISA_avx512amx)
+    if (plan_.tiles) amx_configure();  // once per task: ldtilecfg waits for every tile op before it
+#endif
     const int64_t heads = p_.B * p_.Hkv, split = t / heads, kv_head = t % heads;
     const int64_t b = kv_head / p_.Hkv, kvh = kv_head % p_.Hkv;
     const int64_t kb_begin = split * plan_.blocks_per_split;
@@ -659,7 +661,6 @@ class Backward {
     const int64_t k_pairs = round_up(nr_pairs, kAmxTile), slab = i0 / (2 * kSlabPairs);
     std::memset(w.p_rows + nr_pairs * kKeyBlock, 0, sizeof(uint32_t) * (k_pairs - nr_pairs) * kKeyBlock);
     std::memset(w.ds_rows + nr_pairs * kKeyBlock, 0, sizeof(uint32_t) * (k_pairs - nr_pairs) * kKeyBlock);
-    amx_configure();
     gemm_amx_bf16(dvp, nk_pad, k_pairs, ph.dout_row_pairs + slab * kSlabPairs * dvp, kSlabPairs, w.p_rows, kKeyBlock,
                   keys.dv, kKeyBlock, true, kSlabPairs * dvp);
     gemm_amx_bf16(dp, nk_pad, k_pairs, ph.q_row_pairs + slab * kSlabPairs * dp, kSlabPairs, w.ds_rows, kKeyBlock, keys.dk,
