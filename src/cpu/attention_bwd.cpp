@@ -44,26 +44,36 @@ namespace {
 
 // Keys and query rows per block: whole register tiles at D = Dv = 128 for every product (S
 // and dP in 4 × 6-vector tiles, the others in 6 × 4). kKeyBlock is a multiple of kLanes and
-// of 4 (one dropout draw per 4 keys), kRowBlock even (query-row pairs). 192 keys halve the
-// passes over the query rows' Q and dO (streamed from L3 per key block) against 96, measured
-// ~5-10% faster at shape A; the key block's state (~0.7 MiB) stays in L2.
+// of 4 (one dropout draw per 4 keys), the row blocks even (query-row pairs). 192 keys halve
+// the passes over the query rows' Q and dO (streamed from L3 per key block) against 96,
+// measured ~5-10% faster at shape A; the key block's state (~0.7 MiB) stays in L2.
 constexpr int64_t kKeyBlock = 192;
-constexpr int64_t kRowBlock = 96;
+constexpr int64_t kRowBlock = 96;  // bf16 pairs on vdpbf16ps
+// AMX tiles: dVᵀ and dKᵀ add a whole row block per load and store of their accumulator
+// tiles, so longer blocks spend less on them (X7, shape A, 1 thread: ~2.5% faster than 96).
+constexpr int64_t kTileRowBlock = 192;
 // fp32 products take query blocks of 64 rows (their operands' share of L1 and L2 smaller):
 // X6, shape A, 1 thread ~3% faster than 96; bf16 pairs (AMX) ~5% slower at 64.
 constexpr int64_t kFp32RowBlock = 64;
-static_assert(kFp32RowBlock <= kRowBlock && kFp32RowBlock % 2 == 0, "the workspace is sized for kRowBlock");
+constexpr int64_t kMaxRowBlock = std::max({kRowBlock, kTileRowBlock, kFp32RowBlock});
+static_assert(kRowBlock % 2 == 0 && kFp32RowBlock % 2 == 0, "row blocks start on row pairs");
 // Key blocks packed and run together: each query block visits them one after the other, so
 // its partial dQ rows (and its Q and dO) are read from L3 once per group, not once per key
 // block (the dQ rows' L3 round trips alone took ~9% of the call at shape A).
 constexpr int64_t kKeyBlocksTogether = 2;
 constexpr int64_t kScoreRows = 32;  // rows of S and dP made and consumed at a time (even)
+// Rows of S and dP (and E, dropped P, tanh) held at once: on bf16 pairs one chunk's, reused by
+// the next (so they stay in L1; ~4% at shape A on X7); in fp32 the row block's, which the
+// gradient products read.
+constexpr int64_t kScoreBufferRows = std::max(kScoreRows, kFp32RowBlock);
 
 // Query-row pairs per slab of Qᵀ and dOᵀ (AMX tiles: one tile's depth), so row blocks start
 // at multiples of 2 · kSlabPairs rows there.
 constexpr int64_t kSlabPairs = 16;
-static_assert(kRowBlock % (2 * kSlabPairs) == 0, "query blocks start on slabs");
+static_assert(kTileRowBlock % (2 * kSlabPairs) == 0, "query blocks start on slabs");
 static_assert(kScoreRows % 2 == 0, "S and dP chunks start on row pairs");
+// Row pairs of P and dS held: a row block's, up to whole tiles of pairs.
+constexpr int64_t kPairRows = (kMaxRowBlock / 2 + kSlabPairs - 1) / kSlabPairs * kSlabPairs;
 constexpr int64_t kMinTasks = 16;  // fewer (batch, kv head) pairs than this: split the keys
 #if defined(ATTNKIT_ISA_avx512bf16)
 constexpr bool kDotProducts = true;  // vdpbf16ps
@@ -129,7 +139,7 @@ struct BackwardPlan {
   std::vector<int64_t> dq_offset;  // split s's partial dQ rows start at dq_offset[s] floats
   int64_t key_blocks, splits, blocks_per_split, tasks, d_pad, dv_pad, d_pairs, dv_pairs, rows16;
   int64_t row_pairs_pad, row_align;
-  int64_t row_block;  // query rows per block: kRowBlock, or kFp32RowBlock without pairs
+  int64_t row_block;  // query rows per block: kTileRowBlock, kRowBlock or kFp32RowBlock
   int64_t workspace_floats, prepared_floats;
 
   BackwardPlan(const AttentionBackwardParams& bp, bool use_pairs) : pairs(use_pairs), tiles(use_pairs && kAmx) {
@@ -147,10 +157,11 @@ struct BackwardPlan {
     rows16 = round_up(p.Sq, 16);
     row_pairs_pad = round_up((p.Sq + 1) / 2, tiles ? kSlabPairs : 1);
     row_align = tiles ? 2 * kSlabPairs : 2;
-    row_block = pairs ? kRowBlock : kFp32RowBlock;
+    row_block = tiles ? kTileRowBlock : pairs ? kRowBlock : kFp32RowBlock;
     workspace_floats = kKeyBlocksTogether * PackedKeys::floats(d_pad, dv_pad)
-                       + 6 * kRowBlock * kKeyBlock  // E, dP then dS, dropped P, tanh, row pairs of P and dS
-                       + kRowBlock * kKeyBlock / 2  // dS pairs along the keys
+                       + 4 * kScoreBufferRows * kKeyBlock     // E, dP then dS, dropped P, tanh
+                       + 2 * kPairRows * kKeyBlock            // row pairs of P and dS
+                       + kMaxRowBlock * kKeyBlock / 2         // dS pairs along the keys
                        + 2 * dv_pad                     // a dO row and an O row
                        + kSlabPairs * (d_pad + dv_pad);  // a slab of Q's and dO's row pairs
     // Q and dO are read in place where they already have a gemm's layout: bf16 pairs along D
@@ -193,15 +204,22 @@ struct BackwardWorkspace {
   uint32_t *p_rows, *ds_rows;  // query-row pairs of P and dS
   uint16_t* ds_keys;           // dS in bf16: pairs along the keys
   BackwardWorkspace(float* base, const BackwardPlan& plan) {
-    const int64_t dvp = plan.dv_pad, kb = kKeyBlock, rb = kRowBlock;
+    const int64_t dvp = plan.dv_pad, kb = kKeyBlock, sb = kScoreBufferRows * kb;
     for (PackedKeys& packed : keys) base = packed.place(base, plan.d_pad, dvp);
     e = base;
-    ds = e + rb * kb, pd = ds + rb * kb, t = pd + rb * kb;
-    p_rows = reinterpret_cast<uint32_t*>(t + rb * kb), ds_rows = p_rows + rb * kb;
-    ds_keys = reinterpret_cast<uint16_t*>(ds_rows + rb * kb);
-    pack = reinterpret_cast<float*>(ds_keys + rb * kb);
+    ds = e + sb, pd = ds + sb, t = pd + sb;
+    p_rows = reinterpret_cast<uint32_t*>(t + sb), ds_rows = p_rows + kPairRows * kb;
+    ds_keys = reinterpret_cast<uint16_t*>(ds_rows + kPairRows * kb);
+    pack = reinterpret_cast<float*>(ds_keys + kMaxRowBlock * kb);
     slab = reinterpret_cast<uint32_t*>(pack + 2 * dvp);
   }
+};
+
+// Rows [..][kKeyBlock] of S (then E), dP (then dS), the dropped P and tanh for a chunk of a
+// row block, its first row at offset 0: on bf16 pairs the same kScoreRows rows serve every
+// chunk (still in L1 for the next), in fp32 each chunk has its own (the products read them).
+struct ScoreRows {
+  float *e, *ds, *pd, *t;
 };
 
 // One query head's prepared data (pass 1), read by every key block.
@@ -479,22 +497,23 @@ class Backward {
 
   // E = exp(S - lse) for the block's rows and its first nk keys (a multiple of kLanes), S =
   // Q·Kᵀ·scale with the modifiers and masks: 0 where masked, past the block, or in rows that
-  // saw no key (lse = -inf; their output was 0). With the soft-cap, w.t keeps tanh(s / cap)
+  // saw no key (lse = -inf; their output was 0). With the soft-cap, sr.t keeps tanh(s / cap)
   // for its derivative.
   void scores(int64_t b, int64_t h, const PreparedHead& ph, int64_t i0, int64_t r_begin, int64_t r_end, int64_t j0,
-              int64_t bc, int64_t nk, const BackwardWorkspace& w) const {
+              int64_t bc, int64_t nk, const ScoreRows& sr) const {
     const float softcap = p_.softcap;
     const float slope = p_.alibi_slopes ? p_.alibi_slopes[b * p_.alibi_stride[0] + h * p_.alibi_stride[1]] : 0.0f;
     const vfloat scale = vbroadcast(p_.scale), cap = vbroadcast(softcap), inv_cap = vbroadcast(1.0f / softcap);
     vfloat lane{};
     for (int l = 0; l < kLanes; ++l) lane[l] = static_cast<float>(l);
     for (int64_t r = r_begin; r < r_end; ++r) {
-      float* s = w.e + r * kKeyBlock;
+      float* s = sr.e + (r - r_begin) * kKeyBlock;
+      float* t = sr.t + (r - r_begin) * kKeyBlock;
       const int64_t i = i0 + r, a = i + p_.causal_offset;  // the aligned query position
       const float lse = ph.lse[i];
       if (lse == -INFINITY) {
         std::memset(s, 0, sizeof(float) * nk);
-        if (softcap != 0.0f) std::memset(w.t + r * kKeyBlock, 0, sizeof(float) * nk);
+        if (softcap != 0.0f) std::memset(t, 0, sizeof(float) * nk);
         continue;
       }
       const auto [lo, hi] = visible_keys(a, j0, bc);
@@ -511,7 +530,7 @@ class Backward {
         vfloat x = vload(s + jj) * scale;
         if (softcap != 0.0f) {
           x = vsoftcap(x, cap, inv_cap);
-          vstore(w.t + r * kKeyBlock + jj, x * inv_cap);
+          vstore(t + jj, x * inv_cap);
         }
         if (p_.alibi_slopes) {  // -slope·|a - j| (a - j exact in float below 2^24)
           x -= slope * (vfloat)((vint)(dist0 - static_cast<float>(jj)) & 0x7FFFFFFF);
@@ -585,8 +604,10 @@ class Backward {
       const int64_t r1 = std::min(nr, r0 + kScoreRows);
       // S = Q·Kᵀ and dP = dO·Vᵀ for the keys these rows see (whole vectors)
       const int64_t nk_rows = round_up(visible_keys(i0 + r1 - 1 + p_.causal_offset, j0, bc).second, kLanes);
-      float* s = w.e + r0 * kKeyBlock;
-      float* dprob = w.ds + r0 * kKeyBlock;
+      const int64_t at = plan_.pairs ? 0 : r0 * kKeyBlock;
+      const ScoreRows sr{w.e + at, w.ds + at, w.pd + at, w.t + at};
+      float* s = sr.e;
+      float* dprob = sr.ds;
       if (plan_.pairs) {
         gemm_pairs<kWideRows, kWideVecs>(r1 - r0, nk_rows, plan_.d_pairs, ph.q_pairs + (i0 + r0) * ph.q_ld, ph.q_ld,
                                          1, keys.kt_pairs, kKeyBlock, s, kKeyBlock, false);
@@ -599,11 +620,11 @@ class Backward {
                                    kKeyBlock, dprob, kKeyBlock, false);
       }
       if (plain) {
-        p_and_ds_plain(ph, i0, r0, r1, j0, bc, nk_rows, w);
+        p_and_ds_plain(ph, i0, r0, r1, j0, bc, nk_rows, sr, w);
       } else {
-        scores(b, h, ph, i0, r0, r1, j0, bc, nk_rows, w);
-        if (dropout) apply_dropout(b, h, i0, r0, r1, j0, nk_rows, w);
-        p_and_ds(ph, i0, r0, r1, nk_rows, w);
+        scores(b, h, ph, i0, r0, r1, j0, bc, nk_rows, sr);
+        if (dropout) apply_dropout(b, h, i0, r0, r1, j0, nk_rows, sr);
+        p_and_ds(ph, i0, r0, r1, nk_rows, sr, w);
       }
       zero_hidden_keys(r0, r1, nk_rows, nk_pad, w);
     }
@@ -674,7 +695,7 @@ class Backward {
   // query-row pairs (dV, dK), dS in bf16 rows (dQ, key pairs along them); else dS (and, with
   // sinks, f·P) as fp32 rows.
   void p_and_ds(const PreparedHead& ph, int64_t i0, int64_t r_begin, int64_t r_end, int64_t nk_pad,
-                const BackwardWorkspace& w) const {
+                const ScoreRows& sr, const BackwardWorkspace& w) const {
     const bool dropout = p_.dropout_p > 0.0f, sinks = p_.sinks != nullptr, softcap = p_.softcap != 0.0f;
     const vfloat one = vbroadcast(1.0f);
     for (int64_t r = r_begin; r < r_end; r += 2) {
@@ -684,18 +705,18 @@ class Backward {
       for (int64_t jj = 0; jj < nk_pad; jj += kLanes) {
         vfloat pv[2] = {}, dsv[2] = {};
         for (int k = 0; k < rows; ++k) {
-          const int64_t at = (r + k) * kKeyBlock + jj;
-          const vfloat ev = vload(w.e + at);
-          dsv[k] = ev * (f[k] * vload(w.ds + at) - c[k]);
+          const int64_t at = (r - r_begin + k) * kKeyBlock + jj;
+          const vfloat ev = vload(sr.e + at);
+          dsv[k] = ev * (f[k] * vload(sr.ds + at) - c[k]);
           if (softcap) {
-            const vfloat tv = vload(w.t + at);
+            const vfloat tv = vload(sr.t + at);
             dsv[k] *= one - tv * tv;
           }
-          pv[k] = dropout ? vload(w.pd + at) : ev;
+          pv[k] = dropout ? vload(sr.pd + at) : ev;
           if (sinks) pv[k] *= f[k];
           if (!plan_.pairs) {
-            vstore(w.ds + at, dsv[k]);
-            if (sinks) vstore(w.pd + at, pv[k]);
+            vstore(sr.ds + at, dsv[k]);
+            if (sinks) vstore(sr.pd + at, pv[k]);
           }
         }
         if (plan_.pairs) {
@@ -713,7 +734,7 @@ class Backward {
   // same pass from S (scores' one-pass case): per pair of rows, P = E and dS = E∘(dP - c)
   // rounded into the three products' operands as p_and_ds writes them.
   void p_and_ds_plain(const PreparedHead& ph, int64_t i0, int64_t r_begin, int64_t r_end, int64_t j0, int64_t bc,
-                      int64_t nk_pad, const BackwardWorkspace& w) const {
+                      int64_t nk_pad, const ScoreRows& sr, const BackwardWorkspace& w) const {
     const vfloat scale_log2e = vbroadcast(p_.scale * kLog2e);
     vfloat lane{};
     for (int l = 0; l < kLanes; ++l) lane[l] = static_cast<float>(l);
@@ -726,11 +747,11 @@ class Backward {
         const vfloat key = lane + static_cast<float>(jj);
         vfloat e[2] = {}, ds[2] = {};
         for (int k = 0; k < kRows; ++k) {
-          const int64_t at = (r + k) * kKeyBlock + jj;
-          const vfloat s = vload(w.e + at);
+          const int64_t at = (r - r_begin + k) * kKeyBlock + jj;
+          const vfloat s = vload(sr.e + at);
           e[k] = kMasked ? visible_exp(s, scale_log2e, neg_lse_log2e[k], key, lo[k], hi[k])
                          : vexp2(s * scale_log2e + neg_lse_log2e[k]);
-          ds[k] = e[k] * (vload(w.ds + at) - c[k]);
+          ds[k] = e[k] * (vload(sr.ds + at) - c[k]);
         }
         const vuint p_pair = bf16_pairs(e[0], e[1]);
         const vuint ds_pair =
@@ -757,19 +778,19 @@ class Backward {
   }
 
   // The forward's keep mask (one Philox draw per 4 keys of row (b, h, i)) on the first nk
-  // keys: w.pd = E·keep/(1-p) and dP·keep/(1-p) in place.
+  // keys: sr.pd = E·keep/(1-p) and dP·keep/(1-p) in place.
   void apply_dropout(int64_t b, int64_t h, int64_t i0, int64_t r_begin, int64_t r_end, int64_t j0, int64_t nk,
-                     const BackwardWorkspace& w) const {
+                     const ScoreRows& sr) const {
     const uint32_t threshold = detail::dropout_threshold(p_.dropout_p);
     const float keep_scale = 1.0f / (1.0f - p_.dropout_p);
     for (int64_t r = r_begin; r < r_end; ++r) {
       for (int64_t jj = 0; jj < nk; jj += 4) {
         const auto bits = detail::dropout_bits(p_.seed, b, h, i0 + r, j0 + jj);
         for (int64_t k = 0; k < 4; ++k) {
-          const int64_t at = r * kKeyBlock + jj + k;
+          const int64_t at = (r - r_begin) * kKeyBlock + jj + k;
           const bool keep = bits[k] >= threshold;
-          w.pd[at] = keep ? w.e[at] * keep_scale : 0.0f;
-          w.ds[at] = keep ? w.ds[at] * keep_scale : 0.0f;
+          sr.pd[at] = keep ? sr.e[at] * keep_scale : 0.0f;
+          sr.ds[at] = keep ? sr.ds[at] * keep_scale : 0.0f;
         }
       }
     }

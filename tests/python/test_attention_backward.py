@@ -717,9 +717,9 @@ def test_modifiers_with_dropout(rng):
 ])
 @pytest.mark.parametrize("batch", [1, 8])
 def test_many_blocks_every_isa(isa, dtype, causal, D, Dv, mods, batch):
-    """Several key blocks (192 keys), row blocks (96 rows) and slabs of 32 query rows, a
-    causal offset that is no multiple of 32 (Skv - Sq = 184), a last slab only partly filled
-    (Sq = 333), whole and partial AMX tiles (D = 128, 72, 33), modifiers (the non-plain
+    """Several key blocks (192 keys), row blocks (96 rows, 192 on AMX) and slabs of 32 query
+    rows, a causal offset that is no multiple of 32 (Skv - Sq = 184), a last slab only partly
+    filled (Sq = 333), whole and partial AMX tiles (D = 128, 72, 33), modifiers (the non-plain
     pass), GQA: the edges of each ISA's layouts, avx512amx's slabs of Qᵀ and dOᵀ and its dKᵀ,
     dVᵀ accumulators included. Batch 1 splits the 3 key blocks into 3 tasks per kv head;
     batch 8 (16 kv heads) keeps them in one, whose first two blocks run together (one query
