@@ -98,7 +98,7 @@ void gemm_pairs(int64_t m, int64_t n, int64_t pairs, const uint32_t* a, int64_t 
 #if defined(ATTNKIT_ISA_avx512amx)
   m0 = m / kAmxTile * kAmxTile;
   if (m0 > 0 && n % kAmxTile == 0 && pairs % kAmxTile == 0 && a_step == 1) {
-    gemm_amx_bf16(m0, n, pairs, a, lda, b, ldb, c, ldc, accumulate);
+    gemm_amx_bf16(m0, n, pairs, a, lda, b, ldb, c, ldc, accumulate, kAmxTile, band);
   } else {
     m0 = 0;
   }
@@ -659,7 +659,7 @@ class Backward {
     };
     if (plan_.tiles) {
 #if defined(ATTNKIT_ISA_avx512amx)
-      transposed_grads_on_tiles(ph, i0, nr_pairs, nk_pad, keys, w);
+      transposed_grads_on_tiles(ph, i0, nr_pairs, nk_pad, keys, w, row_pairs);
 #endif
     } else {
       gemm_pairs<kTallRows, kTallVecs>(nk, dvp, nr_pairs, w.p_rows, 1, kKeyBlock, ph.dout_row_pairs + i0 / 2 * dvp,
@@ -675,17 +675,19 @@ class Backward {
   // dVᵀ += dOᵀ·P and dKᵀ += Qᵀ·dS on AMX tiles for the row block at i0 (a slab's start): P and
   // dS are B operands as p_and_ds wrote them (query-row pairs along the keys), dOᵀ and Qᵀ A
   // operands in their slabs, so nothing is transposed per block. The row pairs up to whole
-  // tiles are zeroed in P and dS, as are the keys nk .. nk_pad (masked).
+  // tiles are zeroed in P and dS, as are the keys nk .. nk_pad (masked). Each block of keys
+  // sums over the row pairs that see them (row_pairs), in whole tiles.
+  template <class RowPairs>
   void transposed_grads_on_tiles(const PreparedHead& ph, int64_t i0, int64_t nr_pairs, int64_t nk_pad,
-                                 const PackedKeys& keys, const BackwardWorkspace& w) const {
+                                 const PackedKeys& keys, const BackwardWorkspace& w, RowPairs row_pairs) const {
     const int64_t dp = plan_.d_pad, dvp = plan_.dv_pad;
     const int64_t k_pairs = round_up(nr_pairs, kAmxTile), slab = i0 / (2 * kSlabPairs);
     std::memset(w.p_rows + nr_pairs * kKeyBlock, 0, sizeof(uint32_t) * (k_pairs - nr_pairs) * kKeyBlock);
     std::memset(w.ds_rows + nr_pairs * kKeyBlock, 0, sizeof(uint32_t) * (k_pairs - nr_pairs) * kKeyBlock);
     gemm_amx_bf16(dvp, nk_pad, k_pairs, ph.dout_row_pairs + slab * kSlabPairs * dvp, kSlabPairs, w.p_rows, kKeyBlock,
-                  keys.dv, kKeyBlock, true, kSlabPairs * dvp);
+                  keys.dv, kKeyBlock, true, kSlabPairs * dvp, NoBand{}, row_pairs);
     gemm_amx_bf16(dp, nk_pad, k_pairs, ph.q_row_pairs + slab * kSlabPairs * dp, kSlabPairs, w.ds_rows, kKeyBlock, keys.dk,
-                  kKeyBlock, true, kSlabPairs * dp);
+                  kKeyBlock, true, kSlabPairs * dp, NoBand{}, row_pairs);
   }
 #endif
 

@@ -13,8 +13,11 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
+
+#include "cpu/kernels/tiling.h"
 
 namespace attnkit::cpu::ATTNKIT_ISA {
 
@@ -53,10 +56,11 @@ inline void amx_configure() {
     }                           \
   }
 
-// One block of up to 2 × 2 output tiles: tiles 0-3 accumulate, 4-5 hold A, 6-7 B.
+// One block of up to 2 × 2 output tiles over the reduction's elements [p_begin, p_end) (whole
+// tiles): tiles 0-3 accumulate, 4-5 hold A, 6-7 B.
 template <class Out, bool kTwoRows, bool kTwoCols>
-void amx_block(int64_t k, const uint32_t* a, int64_t lda, int64_t a_kstep, const uint32_t* b, int64_t ldb, Out* c,
-               int64_t ldc, bool accumulate) {
+void amx_block(int64_t p_begin, int64_t p_end, const uint32_t* a, int64_t lda, int64_t a_kstep, const uint32_t* b,
+               int64_t ldb, Out* c, int64_t ldc, bool accumulate) {
   constexpr bool kInt8 = std::is_same_v<Out, int32_t>;
   const int64_t sa = lda * 4, sb = ldb * 4, sc = ldc * 4;  // strides in bytes
   Out* c1 = c + kAmxTile * ldc;
@@ -71,7 +75,7 @@ void amx_block(int64_t k, const uint32_t* a, int64_t lda, int64_t a_kstep, const
     if constexpr (kTwoRows) _tile_zero(2);
     if constexpr (kTwoRows && kTwoCols) _tile_zero(3);
   }
-  for (int64_t p = 0; p < k; p += kAmxTile) {
+  for (int64_t p = p_begin; p < p_end; p += kAmxTile) {
     const uint32_t* ap = a + p / kAmxTile * a_kstep;
     _tile_loadd(4, ap, sa);
     _tile_loadd(6, b + p * ldb, sb);
@@ -96,32 +100,41 @@ void amx_block(int64_t k, const uint32_t* a, int64_t lda, int64_t a_kstep, const
 // quads of A with s8 quads of B): A's element (i, p) at a + i * lda + p / 16 * a_kstep + p % 16
 // (a_kstep 16: row-major; larger: A in slabs of 16 elements per row, one tile's depth), B
 // [k][n] (row p at b + p * ldb), C row-major; strides in elements. m, n multiples of 16, k of
-// 16 elements; amx_configure() must have run on this thread.
-template <class Out>
+// 16 elements; amx_configure() must have run on this thread. Each block of output tiles sums
+// only over the whole tiles of depth its rows' band (A's rows outside it are zero) and its
+// columns' band (B's columns likewise) leave: a causal triangle's zero tiles are skipped.
+template <class Out, class RowBand = NoBand, class ColBand = NoBand>
 void gemm_amx(int64_t m, int64_t n, int64_t k, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb,
-              Out* c, int64_t ldc, bool accumulate, int64_t a_kstep = kAmxTile) {
+              Out* c, int64_t ldc, bool accumulate, int64_t a_kstep = kAmxTile, RowBand row_band = {},
+              ColBand col_band = {}) {
   for (int64_t i = 0; i < m; i += 2 * kAmxTile) {
     const bool two_rows = i + kAmxTile < m;
+    const auto [r0, r1] = tile_range(row_band, i, std::min(2 * kAmxTile, m - i), k);
     for (int64_t j = 0; j < n; j += 2 * kAmxTile) {
       const bool two_cols = j + kAmxTile < n;
+      const auto [c0, c1] = tile_range(col_band, j, std::min(2 * kAmxTile, n - j), k);
+      const int64_t p0 = std::max(r0, c0) / kAmxTile * kAmxTile;
+      const int64_t p1 = std::max(p0, std::min(r1, c1) + kAmxTile - 1) / kAmxTile * kAmxTile;
       const uint32_t* ai = a + i * lda;
       const uint32_t* bj = b + j;
       Out* cij = c + i * ldc + j;
       if (two_rows && two_cols) {
-        amx_block<Out, true, true>(k, ai, lda, a_kstep, bj, ldb, cij, ldc, accumulate);
+        amx_block<Out, true, true>(p0, p1, ai, lda, a_kstep, bj, ldb, cij, ldc, accumulate);
       } else if (two_rows) {
-        amx_block<Out, true, false>(k, ai, lda, a_kstep, bj, ldb, cij, ldc, accumulate);
+        amx_block<Out, true, false>(p0, p1, ai, lda, a_kstep, bj, ldb, cij, ldc, accumulate);
       } else if (two_cols) {
-        amx_block<Out, false, true>(k, ai, lda, a_kstep, bj, ldb, cij, ldc, accumulate);
+        amx_block<Out, false, true>(p0, p1, ai, lda, a_kstep, bj, ldb, cij, ldc, accumulate);
       } else {
-        amx_block<Out, false, false>(k, ai, lda, a_kstep, bj, ldb, cij, ldc, accumulate);
+        amx_block<Out, false, false>(p0, p1, ai, lda, a_kstep, bj, ldb, cij, ldc, accumulate);
       }
     }
   }
 }
-inline void gemm_amx_bf16(int64_t m, int64_t n, int64_t k, const uint32_t* a, int64_t lda, const uint32_t* b,
-                          int64_t ldb, float* c, int64_t ldc, bool accumulate, int64_t a_kstep = kAmxTile) {
-  gemm_amx<float>(m, n, k, a, lda, b, ldb, c, ldc, accumulate, a_kstep);
+template <class RowBand = NoBand, class ColBand = NoBand>
+void gemm_amx_bf16(int64_t m, int64_t n, int64_t k, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb,
+                   float* c, int64_t ldc, bool accumulate, int64_t a_kstep = kAmxTile, RowBand row_band = {},
+                   ColBand col_band = {}) {
+  gemm_amx<float>(m, n, k, a, lda, b, ldb, c, ldc, accumulate, a_kstep, row_band, col_band);
 }
 inline void gemm_amx_u8s8(int64_t m, int64_t n, int64_t k, const uint32_t* a, int64_t lda, const uint32_t* b,
                           int64_t ldb, int32_t* c, int64_t ldc, bool accumulate) {
