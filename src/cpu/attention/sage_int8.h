@@ -4,6 +4,7 @@
 // the logits of rows or keys holding NaN or inf computed exactly.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -20,17 +21,24 @@
 namespace attnkit::cpu::ATTNKIT_ISA::fwd {
 
 // Sage int8: Q rows quantised to int8 with one scale per row (the softmax scale folded
-// in), written as Qᵀ quads of s8 for vpdpbusd (or as floats of the codes elsewhere);
-// q_sum[r] = Σ codes corrects the +128 offset of the unsigned K codes. A row holding a
-// NaN or inf keeps zero codes and gets q_scale NaN: fix_nonfinite_logits computes its
-// logits exactly.
+// in), written as Qᵀ quads of s8 for vpdpbusd and tdpbusd (kLanes rows at a time staged
+// row-major in w.k, then transposed), or as floats of the codes elsewhere; q_sum[r] = Σ codes
+// corrects the +128 offset of the unsigned K codes. A row holding a NaN or inf keeps zero
+// codes and gets q_scale NaN: fix_nonfinite_logits computes its logits exactly.
 template <DType T, DType TK>
 void AttentionTask<T, TK>::pack_q_int8(const RowBlock& rb, const Workspace& w) const {
   const int64_t ld = plan_.rows_pad;
   std::memset(w.qt, 0, sizeof(float) * plan_.d_pad * ld);
   for (int64_t r = 0; r < ld; ++r) w.q_scale[r] = 0.0f, w.q_sum[r] = 0;
-  for (int64_t r = 0; r < rb.rows; ++r) {
-    float* row = w.k;  // free until the first key tile
+#if defined(ATTNKIT_ISA_avx512bf16)
+  const int64_t quads_pad = round_up(kq_->quads, kLanes);
+  uint32_t* staged = reinterpret_cast<uint32_t*>(w.k);  // [kLanes][quads_pad], then the row
+  float* row = w.k + kLanes * quads_pad;
+#else
+  float* row = w.k;  // free until the first key tile
+#endif
+  // Row r's codes into Qᵀ (staged on avx512bf16), its scale and code sum.
+  auto quantize_row = [&](int64_t r) {
     load_row<T>(q_row(rb, r), p_.q_stride[3], p_.D, 1.0f, row);
     for (int64_t d = p_.D; d < plan_.d_pad; ++d) row[d] = 0.0f;
     // max |q| on the bits: for sign-cleared floats integer order is float order, and NaN
@@ -44,7 +52,7 @@ void AttentionTask<T, TK>::pack_q_int8(const RowBlock& rb, const Workspace& w) c
     for (int i = 0; i < kLanes; ++i) amax_bits = amax_lanes[i] > amax_bits ? amax_lanes[i] : amax_bits;
     if (amax_bits >= 0x7F800000) {  // NaN or inf
       w.q_scale[r] = NAN;
-      continue;
+      return;
     }
     float amax;
     std::memcpy(&amax, &amax_bits, sizeof amax);
@@ -52,28 +60,34 @@ void AttentionTask<T, TK>::pack_q_int8(const RowBlock& rb, const Workspace& w) c
     const float step =
         amax > 0.0f ? std::fmax(amax / 127.0f, std::numeric_limits<float>::denorm_min()) : 1.0f;
     w.q_scale[r] = step * p_.scale;
-    // codes = row / step rounded to nearest even (|codes| <= 127, so 1.5·2^23 rounds),
-    // written over the row.
-    int32_t* codes = reinterpret_cast<int32_t*>(row);
+    // codes = row / step rounded to nearest even (|codes| <= 127, so 1.5·2^23 rounds).
     const vfloat vstep = vbroadcast(step);
     vint sums{};
     for (int64_t d = 0; d < plan_.d_pad; d += kLanes) {
       const vint c = __builtin_convertvector((vload(row + d) / vstep + 12582912.0f) - 12582912.0f, vint);
       sums += c;
-      std::memcpy(codes + d, &c, sizeof c);
+#if defined(ATTNKIT_ISA_avx512bf16)
+      using vbytes = int8_t __attribute__((vector_size(kLanes)));
+      const vbytes b = __builtin_convertvector(c, vbytes);
+      std::memcpy(reinterpret_cast<int8_t*>(staged + r % kLanes * quads_pad) + d, &b, sizeof b);
+#else
+      for (int i = 0; i < kLanes && d + i < p_.D; ++i) w.qt[(d + i) * ld + r] = static_cast<float>(c[i]);
+#endif
     }
     int32_t sum = 0;
     for (int i = 0; i < kLanes; ++i) sum += sums[i];
-    for (int64_t d = 0; d < p_.D; ++d) {
-      const int32_t code = codes[d];
-#if defined(ATTNKIT_ISA_avx512bf16)
-      reinterpret_cast<uint8_t*>(reinterpret_cast<uint32_t*>(w.qt) + d / 4 * ld + r)[d % 4] =
-          static_cast<uint8_t>(static_cast<int8_t>(code));
-#else
-      w.qt[d * ld + r] = static_cast<float>(code);
-#endif
-    }
     w.q_sum[r] = sum;
+  };
+  for (int64_t r0 = 0; r0 < rb.rows; r0 += kLanes) {
+    const int64_t r1 = std::min(rb.rows, r0 + kLanes);
+#if defined(ATTNKIT_ISA_avx512bf16)
+    std::memset(staged, 0, sizeof(uint32_t) * kLanes * quads_pad);
+#endif
+    for (int64_t r = r0; r < r1; ++r) quantize_row(r);
+#if defined(ATTNKIT_ISA_avx512bf16)
+    transpose_matrix(reinterpret_cast<const float*>(staged), quads_pad, kLanes, quads_pad,
+                     reinterpret_cast<float*>(w.qt) + r0, ld);
+#endif
   }
   if (p_.softcap != 0.0f) {  // the soft-cap needs the unsmoothed logits (apply_score_mods)
     for (int64_t r = 0; r < ld; ++r) {
