@@ -376,45 +376,89 @@ void prepare_sage(const AttentionParams& p, uint8_t* codes, float* scale, float*
     const E* k = static_cast<const E*>(p.k) + b * p.k_stride[0] + kvh * p.k_stride[1];
     float* mu = mean + head * p.D;
     uint8_t* bad = nonfinite + head * p.Skv;
-    AlignedBuffer<float> tile(kKvTile * p.D > 2 * dv_pad ? kKvTile * p.D : 2 * dv_pad);
-    AlignedBuffer<double> sum(p.D);
-    std::memset(sum.data, 0, sizeof(double) * p.D);
+    // K rows staged zero-padded to whole vectors; the sums, the mean and k - mean in double,
+    // kHalf lanes at a time (per element as the scalar formulas, so the same bits).
+    constexpr int kHalf = kLanes / 2;
+    using vdouble = double __attribute__((vector_size(kHalf * sizeof(double))));
+    using vhalf_floats = float __attribute__((vector_size(kHalf * sizeof(float))));
+    using vhalf_ints = int32_t __attribute__((vector_size(kHalf * sizeof(int32_t))));
+    using vhalf_bytes = uint8_t __attribute__((vector_size(kHalf)));
+    auto widen = [](const float* x) {
+      vhalf_floats f;
+      std::memcpy(&f, x, sizeof f);
+      return __builtin_convertvector(f, vdouble);
+    };
+    auto vload_double = [](const double* x) {
+      vdouble v;
+      std::memcpy(&v, x, sizeof v);
+      return v;
+    };
+    const int64_t ld = round_up(p.D, kLanes);
+    AlignedBuffer<float> tile(std::max(kKvTile * ld, 2 * dv_pad));
+    AlignedBuffer<double> sum(ld), mu_wide(ld);
+    // K row j into row (zero past D); false where it holds a NaN or inf.
+    auto load_key = [&](int64_t j, float* row) {
+      load_row<T>(k + j * p.k_stride[2], p.k_stride[3], p.D, 1.0f, row);
+      std::memset(row + p.D, 0, sizeof(float) * (ld - p.D));
+      vint nonfinite_lanes{};  // exponent bits all ones
+      for (int64_t d = 0; d < ld; d += kLanes) {
+        nonfinite_lanes |= ((vint)vload(row + d) & 0x7F800000) == 0x7F800000;
+      }
+      bool finite = true;
+      for (int i = 0; i < kLanes; ++i) finite = finite && nonfinite_lanes[i] == 0;
+      return finite;
+    };
+    std::memset(sum.data, 0, sizeof(double) * ld);
     int64_t finite_rows = 0;
     for (int64_t j = 0; j < skv; ++j) {
-      load_row<T>(k + j * p.k_stride[2], p.k_stride[3], p.D, 1.0f, tile.data);
-      bool finite = true;
-      for (int64_t d = 0; d < p.D; ++d) finite = finite && std::isfinite(tile.data[d]);
+      const bool finite = load_key(j, tile.data);
       bad[j] = !finite;
       if (!finite) continue;
       ++finite_rows;
-      for (int64_t d = 0; d < p.D; ++d) sum.data[d] += tile.data[d];
+      for (int64_t d = 0; d < ld; d += kHalf) {
+        const vdouble acc = vload_double(sum.data + d) + widen(tile.data + d);
+        std::memcpy(sum.data + d, &acc, sizeof acc);
+      }
     }
-    for (int64_t d = 0; d < p.D; ++d)
-      mu[d] = finite_rows ? static_cast<float>(sum.data[d] / finite_rows) : 0.0f;
+    for (int64_t d = 0; d < ld; ++d) {
+      if (d < p.D) mu[d] = finite_rows ? static_cast<float>(sum.data[d] / finite_rows) : 0.0f;
+      mu_wide.data[d] = d < p.D ? double{mu[d]} : 0.0;
+    }
+    const vdouble round = vdouble{} + 6755399441055744.0;  // 1.5 · 2^52: adding it rounds |x| < 2^51 to even
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t j0 = t * kKvTile, n = skv - j0 < kKvTile ? (skv > j0 ? skv - j0 : 0) : kKvTile;
-      double amax = 0.0;
+      vdouble amax_lanes{};
       tile_nonfinite[head * tiles + t] = 0;
       for (int64_t j = 0; j < n; ++j) {
-        float* row = tile.data + j * p.D;
-        load_row<T>(k + (j0 + j) * p.k_stride[2], p.k_stride[3], p.D, 1.0f, row);
+        float* row = tile.data + j * ld;
+        load_key(j0 + j, row);
         if (bad[j0 + j]) {
           tile_nonfinite[head * tiles + t] = 1;
           continue;
         }
-        for (int64_t d = 0; d < p.D; ++d) {
-          const double x = std::fabs(double{row[d]} - mu[d]);
-          amax = x > amax ? x : amax;
+        for (int64_t d = 0; d < ld; d += kHalf) {
+          const vdouble x = widen(row + d) - vload_double(mu_wide.data + d);
+          const vdouble a = x < 0.0 ? -x : x;
+          amax_lanes = a > amax_lanes ? a : amax_lanes;
         }
       }
+      double amax = 0.0;
+      for (int i = 0; i < kHalf; ++i) amax = amax_lanes[i] > amax ? amax_lanes[i] : amax;
       const double step = amax > 0.0 ? amax / 127.0 : 1.0;
       scale[head * tiles + t] = static_cast<float>(step);
+      const vdouble vstep = vdouble{} + step;
       for (int64_t j = 0; j < n; ++j) {
         uint8_t* dst = codes + (head * p.Skv + j0 + j) * 4 * quads;
-        const float* row = tile.data + j * p.D;
-        for (int64_t d = 0; d < 4 * quads; ++d) {  // |x| <= 127
-          const double x = d < p.D && !bad[j0 + j] ? (double{row[d]} - mu[d]) / step : 0.0;
-          dst[d] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(x)) + 128);
+        if (bad[j0 + j]) {
+          std::memset(dst, 128, 4 * quads);
+          continue;
+        }
+        const float* row = tile.data + j * ld;
+        for (int64_t d = 0; d < 4 * quads; d += kHalf) {  // |x| <= 127; zero past D
+          const vdouble x = ((widen(row + d) - vload_double(mu_wide.data + d)) / vstep + round) - round;
+          const vhalf_ints code = __builtin_convertvector(x, vhalf_ints) + 128;
+          const vhalf_bytes c = __builtin_convertvector(code, vhalf_bytes);
+          std::memcpy(dst + d, &c, std::min<int64_t>(kHalf, 4 * quads - d));
         }
       }
     }
