@@ -49,6 +49,25 @@ def test_accuracy_contract(rng, isa, dtype, D, causal, outliers):
     np.testing.assert_allclose(lse, ref_lse, atol=LSE_ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_key_scale_tiles_of_unequal_magnitude(rng, isa, dtype):
+    """K's int8 scales are per 128 keys, and on AMX one tile of the loop spans four of them
+    (and the softmax there writes P as bf16 pairs from the scaled logits): keys 128-255 at 8×
+    the magnitude and 520-599 at 1/20 must each be dequantised with their own tile's scale,
+    and the query rows reach across all of them (Skv 700: a second, partial tile)."""
+    q, k, v = make_qkv(rng, 1, 4, 2, 96, 700, 64, 64, dtype)
+    k = k.astype(np.float64)
+    k[:, :, 128:256] *= 8.0
+    k[:, :, 520:600] /= 20.0
+    k = k.astype(np_dtype(dtype))
+    q = (q.astype(np.float64) / 4.0).astype(np_dtype(dtype))  # logits of the 8× keys stay O(1)-O(10)
+    out, lse = attnkit.sage_attention(q, k, v, return_lse=True)
+    ref, ref_lse = attention_ref(q, k, v, enable_gqa=True)
+    cos, l1 = accuracy(out, ref)
+    assert cos >= COS_MIN and l1 <= REL_L1_MAX, f"cos {cos:.6f}, rel L1 {l1:.4f}"
+    np.testing.assert_allclose(lse, ref_lse, atol=LSE_ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("layout", ["BHSD", "BSHD"])
 def test_layouts_scale_and_bottom_right(rng, layout):
     q, k, v = make_qkv(rng, 2, 8, 1, 37, 200, 64, 48, "bfloat16", layout=layout)

@@ -51,6 +51,7 @@ constexpr bool kAmxTiles = false;
 // per tile, and 256 keys halved that traffic (the product measured 5.7 against 6.6 ns per
 // tile instruction at 128); 512 took bf16 prefill another 3-5% (machine X7, shapes V, A).
 constexpr int64_t kAmxKvTile = 512;
+static_assert(kAmxKvTile % kKvTile == 0, "sage's K scale tiles (kKvTile keys) tile the AMX tiles");
 // Rows of Sᵀ: AMX writes whole tiles of 16 keys, so a tile's last keys may fill one past it.
 constexpr int64_t kScoreRows = kAmxTiles ? kAmxKvTile + 16 : kKvTile;
 // Keys of one slab of V's prepared pairs on AMX tiles (Plan::v_slabs): one tile's depth, 16
@@ -121,7 +122,7 @@ struct Plan {
   int64_t rows_pad, d_pad, dv_pad, workspace_floats, partial_floats;
   int64_t k_floats;          // the K tile's space (AMX also stages P's rows there)
   int64_t v_floats;          // the V tile's space: kKvTile rows, or key_tile / 2 pairs (AMX)
-  int64_t key_tile;          // keys per tile of the tile loop: kKvTile, or kAmxKvTile (bf16 on AMX)
+  int64_t key_tile;          // keys per tile of the tile loop: kKvTile, or kAmxKvTile (on AMX tiles)
   bool fp8_cache;            // K and V in a float8 cache (e4m3, e5m2)
   bool bf16_dot;             // bf16 inputs (or fp8_pairs) on avx512bf16: K·Qᵀ with vdpbf16ps
   bool fp8_pairs;            // bf16 queries over an fp8 cache on avx512bf16: its K and V rows
@@ -176,7 +177,7 @@ struct Plan {
     v_pairs = tile.pv_bf16 && !int8 && !p.block_table && !p.kv_begin && p.Sq * p.group > row_target;
     v_slabs = v_pairs && amx;
     v_pairs_per_head = v_slabs ? round_up(p.Skv, kVSlabKeys) / 2 : (p.Skv + 1) / 2;
-    key_tile = amx && !int8 ? kAmxKvTile : kKvTile;  // sage's K scales are per kKvTile keys
+    key_tile = amx ? kAmxKvTile : kKvTile;  // multiples of sage's K scale tiles (kKvTile keys)
     k_floats = std::max(kKvTile * d_pad, amx ? rows_pad * key_tile / 2 : 0);
     v_floats = std::max(kKvTile, key_tile / 2) * dv_pad;
     for (int64_t r = 1; r <= kLanes / 2; ++r) few[r] = make_mode(p, r, !int8 && r <= kMaxDotRows);

@@ -96,13 +96,14 @@ void AttentionTask<T, TK>::pack_q_int8(const RowBlock& rb, const Workspace& w) c
   }
 }
 
-// Sᵀ[j][r] = (K codes · Q codes) · q_scale[r] · k_scale[tile]: exact integer dot products
-// (vpdpbusd, or fp32 FMAs on integers below 2^24 elsewhere), then one multiply.
+// Sᵀ[j][r] = (K codes · Q codes) · q_scale[r] · k_scale[j's kKvTile keys]: exact integer dot
+// products (tdpbusd, vpdpbusd, or fp32 FMAs on integers below 2^24 elsewhere), then one
+// multiply. j0 lies on a border of K's scale tiles (visible_keys); the tile may span several.
 template <DType T, DType TK>
 void AttentionTask<T, TK>::qk_int8(const RowBlock& rb, int64_t j0, int64_t bc, const Workspace& w) const {
   const int64_t ld = plan_.rows_pad, quads = kq_->quads, head = rb.b * p_.Hkv + rb.kvh;
   const uint8_t* codes = kq_->codes + (head * p_.Skv + j0) * 4 * quads;
-  const float k_scale = kq_->scale[head * kq_->tiles + j0 / kKvTile];
+  const float* k_scales = kq_->scale + head * kq_->tiles + j0 / kKvTile;
 #if defined(ATTNKIT_ISA_avx512bf16)
   int32_t* acc = reinterpret_cast<int32_t*>(w.st);
   const uint32_t* key_quads = reinterpret_cast<const uint32_t*>(codes);
@@ -127,11 +128,13 @@ void AttentionTask<T, TK>::qk_int8(const RowBlock& rb, int64_t j0, int64_t bc, c
     vint offset;
     std::memcpy(&offset, w.q_sum + r, sizeof offset);
     offset *= 128;  // Σ (k + 128) q - 128 Σ q = Σ k q
-    const vfloat scale = vload(w.q_scale + r) * k_scale;
-    for (int64_t j = 0; j < bc; ++j) {
-      vint a;
-      std::memcpy(&a, acc + j * ld + r, sizeof a);
-      vstore(w.st + j * ld + r, __builtin_convertvector(a - offset, vfloat) * scale);
+    for (int64_t t0 = 0; t0 < bc; t0 += kKvTile) {
+      const vfloat scale = vload(w.q_scale + r) * k_scales[t0 / kKvTile];
+      for (int64_t j = t0; j < std::min(bc, t0 + kKvTile); ++j) {
+        vint a;
+        std::memcpy(&a, acc + j * ld + r, sizeof a);
+        vstore(w.st + j * ld + r, __builtin_convertvector(a - offset, vfloat) * scale);
+      }
     }
   }
 #else
@@ -141,8 +144,9 @@ void AttentionTask<T, TK>::qk_int8(const RowBlock& rb, int64_t j0, int64_t bc, c
   }
   gemm_wide(bc, ld, p_.D, w.k, p_.D, 1, w.qt, ld, w.st, ld, false);
   for (int64_t r = 0; r < ld; r += kLanes) {
-    const vfloat scale = vload(w.q_scale + r) * k_scale;
-    for (int64_t j = 0; j < bc; ++j) vstore(w.st + j * ld + r, vload(w.st + j * ld + r) * scale);
+    for (int64_t j = 0; j < bc; ++j) {
+      vstore(w.st + j * ld + r, vload(w.st + j * ld + r) * (vload(w.q_scale + r) * k_scales[j / kKvTile]));
+    }
   }
 #endif
 }
@@ -155,7 +159,10 @@ template <DType T, DType TK>
 void AttentionTask<T, TK>::fix_nonfinite_logits(const RowBlock& rb, int64_t j0, int64_t bc,
                                                 const Workspace& w) const {
   const int64_t ld = plan_.rows_pad, head = rb.b * p_.Hkv + rb.kvh;
-  const bool any_key = kq_->tile_nonfinite[head * kq_->tiles + j0 / kKvTile];
+  bool any_key = false;  // in the tile's kKvTile-key scale tiles
+  for (int64_t t = j0 / kKvTile; t * kKvTile < j0 + bc; ++t) {
+    any_key = any_key || kq_->tile_nonfinite[head * kq_->tiles + t];
+  }
   const uint8_t* bad_key = kq_->nonfinite + head * p_.Skv + j0;
   const E* kbase = static_cast<const E*>(p_.k) + rb.b * p_.k_stride[0] + rb.kvh * p_.k_stride[1];
   for (int64_t r = 0; r < rb.rows; ++r) {

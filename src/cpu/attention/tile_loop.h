@@ -44,10 +44,13 @@ void AttentionTask<T, TK>::attend(const RowBlock& rb, int64_t begin, int64_t end
   for (int64_t r = 0; r < ld; ++r) w.m[r] = -INFINITY, w.l[r] = 0.0f;
 
   const KvRows<EK> krows = kv_rows(p_.k, p_.k_stride, rb), vrows = kv_rows(p_.v, p_.v_stride, rb);
-  // bf16 pairs with nothing between the scores and the softmax but -inf masks: the softmax
-  // applies the scale (masks commute with a positive one) and writes P as bf16 pairs.
-  const bool fused_pairs = plan_.bf16_dot && rb.mode->pv_bf16 && p_.softcap == 0.0f && !p_.alibi_slopes &&
-                           !p_.mask && p_.dropout_p == 0.0f && rb.scale > 0.0f && rb.scale < INFINITY;
+  // P·V on bf16 pairs with nothing between the scores and the softmax but -inf masks: the
+  // softmax writes P as bf16 pairs, and for bf16 pairs applies the scale (masks commute with a
+  // positive one); sage's logits come scaled.
+  const bool scale_fuses = plan_.int8 || (plan_.bf16_dot && rb.scale > 0.0f && rb.scale < INFINITY);
+  const bool fused_pairs = scale_fuses && rb.mode->pv_bf16 && p_.softcap == 0.0f && !p_.alibi_slopes && !p_.mask &&
+                           p_.dropout_p == 0.0f;
+  const float softmax_scale = plan_.int8 ? 1.0f : rb.scale;
   const int64_t key_tile = plan_.key_tile;
   for (int64_t j0 = begin; j0 < end; j0 += key_tile) {
     const int64_t bc = end - j0 < key_tile ? end - j0 : key_tile;
@@ -69,7 +72,7 @@ void AttentionTask<T, TK>::attend(const RowBlock& rb, int64_t begin, int64_t end
     apply_score_mods(rb, j0, bc, scores, w);
     apply_masks(rb, j0, bc, scores);
     if (fused_pairs) {
-      online_softmax_tile_bf16_pairs(w.st, bc, ld, ld, rb.scale, w.m, w.l, w.alpha);
+      online_softmax_tile_bf16_pairs(w.st, bc, ld, ld, softmax_scale, w.m, w.l, w.alpha);
       if (j0 != begin) rescale_output(rb, w);  // the first tile's O is zero
       pv_bf16(rb, vrows, j0, bc, true, w);
       continue;

@@ -26,8 +26,9 @@ inline constexpr float kLog2e = 1.4426950408889634f;
 // applied here: the max is taken over s and then scaled (the same value as the max of the
 // scaled scores, rounding being monotonic), and P = 2^(s·(scale·log2 e) - m·log2 e) is one
 // FMA from s, as FlashAttention's exp2 with a folded scale (the two rounded constants move
-// the row's reference, which cancels in O / l, and the scale by an ulp). P comes out rounded
-// to bf16 and paired along the keys in place (pair row i of keys 2i, 2i + 1, as
+// the row's reference, which cancels in O / l, and the scale by an ulp); at scale 1 (scores
+// that come scaled: sage's) P = 2^((s - m)·log2 e), which no finite s overflows. P comes out
+// rounded to bf16 and paired along the keys in place (pair row i of keys 2i, 2i + 1, as
 // pair_rows_bf16; an odd last key pairs with zero); the sums keep the fp32 P.
 // kLazyMax: a row's reference max moves only when the tile's beats it by more than
 // kLazyMaxSlack (else P may reach e^kLazyMaxSlack = 256, exact in fp32), so alpha is 1 and
@@ -60,21 +61,27 @@ inline void online_softmax_rows_of(float* st, int64_t n_keys, int64_t ld, float 
 #pragma GCC unroll 4
   for (int g = 0; g < G; ++g) m_ref[g] = m_new[g] == -INFINITY ? vfloat{} : m_new[g], sum[g] = vfloat{};
   if constexpr (kBf16Pairs) {
-    const vfloat scale_log2e = vbroadcast(scale * kLog2e);
+    const vfloat scale_log2e = vbroadcast(scale * kLog2e), log2e = vbroadcast(kLog2e);
     vfloat neg_ref_log2e[G];
 #pragma GCC unroll 4
     for (int g = 0; g < G; ++g) neg_ref_log2e[g] = m_ref[g] * -kLog2e;
-    auto p_of = [&](int64_t j, int g) { return vexp2<true>(score(j, g) * scale_log2e + neg_ref_log2e[g]); };
-    for (int64_t j = 0; j < n_keys; j += 2) {
+    auto pairs = [&](auto p_of) {
+      for (int64_t j = 0; j < n_keys; j += 2) {
 #pragma GCC unroll 4
-      for (int g = 0; g < G; ++g) {
-        const vfloat lo = p_of(j, g);
-        const vfloat hi = j + 1 < n_keys ? p_of(j + 1, g) : vfloat{};
-        sum[g] += lo;
-        sum[g] += hi;
-        const vuint pair = bf16_pairs(lo, hi);
-        std::memcpy(st + j / 2 * ld + g * kLanes, &pair, sizeof pair);  // rows j, j + 1 are read
+        for (int g = 0; g < G; ++g) {
+          const vfloat lo = p_of(j, g);
+          const vfloat hi = j + 1 < n_keys ? p_of(j + 1, g) : vfloat{};
+          sum[g] += lo;
+          sum[g] += hi;
+          const vuint pair = bf16_pairs(lo, hi);
+          std::memcpy(st + j / 2 * ld + g * kLanes, &pair, sizeof pair);  // rows j, j + 1 are read
+        }
       }
+    };
+    if (scale == 1.0f) {
+      pairs([&](int64_t j, int g) { return vexp2<true>((score(j, g) - m_ref[g]) * log2e); });
+    } else {
+      pairs([&](int64_t j, int g) { return vexp2<true>(score(j, g) * scale_log2e + neg_ref_log2e[g]); });
     }
   } else {
     for (int64_t j = 0; j < n_keys; ++j) {
