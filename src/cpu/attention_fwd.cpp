@@ -23,6 +23,7 @@ using fwd::kDotProducts;
 using fwd::kKvTile;
 using fwd::Plan;
 using fwd::prepare_sage;
+using fwd::prepared_v_pairs;
 using fwd::QuantizedKeys;
 
 template <DType T, DType TK = T>
@@ -86,9 +87,11 @@ void run_sage_int8(const AttentionParams& p, bool pv_int8) {
   const int64_t dv_pad = round_up(p.Dv, kLanes), heads = p.B * p.Hkv;
   AlignedBuffer<uint8_t> codes(heads * p.Skv * 4 * quads);
   AlignedBuffer<float> scale(heads * tiles), mean(heads * p.D);
-  AlignedBuffer<uint32_t> v_pairs(kDotProducts && !pv_int8 ? heads * ((p.Skv + 1) / 2) * dv_pad : 0);
+  const bool v_slabs = Plan(p, true, pv_int8).v_slabs;  // the layout the tile loop reads V's pairs in
+  const int64_t v_pair_rows = kDotProducts && !pv_int8 ? heads * prepared_v_pairs(p.Skv, v_slabs) : 0;
+  AlignedBuffer<uint32_t> v_pairs(v_pair_rows * dv_pad);
   AlignedBuffer<uint8_t> nonfinite(heads * p.Skv), tile_nonfinite(heads * tiles);
-  prepare_sage<T>(p, codes.data, scale.data, mean.data, pv_int8 ? nullptr : v_pairs.data, nonfinite.data,
+  prepare_sage<T>(p, codes.data, scale.data, mean.data, pv_int8 ? nullptr : v_pairs.data, v_slabs, nonfinite.data,
                   tile_nonfinite.data, quads, tiles, dv_pad);
   AlignedBuffer<uint32_t> v_codes(pv_int8 ? heads * ((p.Skv + 3) / 4) * dv_pad : 0);
   AlignedBuffer<float> v_scale(pv_int8 ? heads * dv_pad : 0), v_mean(pv_int8 ? heads * dv_pad : 0);

@@ -57,11 +57,16 @@ constexpr int64_t kScoreRows = kAmxTiles ? kAmxKvTile + 16 : kKvTile;
 // Keys of one slab of V's prepared pairs on AMX tiles (Plan::v_slabs): one tile's depth, 16
 // pairs. Row blocks of such calls start their keys on a slab border.
 constexpr int64_t kVSlabKeys = 32;
+// V's prepared pairs of one kv head of skv keys: whole slabs, or ceil(skv / 2) pair rows.
+inline int64_t prepared_v_pairs(int64_t skv, bool slabs) {
+  return slabs ? (skv + kVSlabKeys - 1) / kVSlabKeys * kVSlabKeys / 2 : (skv + 1) / 2;
+}
 
 // K and V prepared once per call for sage int8 mode (prepare_sage): K smoothed by its
 // per-head mean over tokens (softmax is invariant to it; lse is corrected), then int8 with
 // one scale per kKvTile keys, stored + 128 as the unsigned operand of vpdpbusd; on
-// avx512bf16 also V as bf16 pairs of consecutive keys for vdpbf16ps. Key rows holding a
+// avx512bf16 also V as bf16 pairs of consecutive keys for vdpbf16ps (on AMX tiles as Vᵀ's
+// slabs, Plan::v_slabs, as dense calls prepare them). Key rows holding a
 // NaN or inf are left out of the mean and the tile scales and get zero codes; their logits
 // are computed exactly instead (fix_nonfinite_logits), so NaN and inf propagate as in
 // exact attention.
@@ -69,7 +74,7 @@ struct QuantizedKeys {
   const uint8_t* codes;           // [B][Hkv][Skv][4 * quads]
   const float* scale;             // [B][Hkv][tiles]
   const float* mean;              // [B][Hkv][D]
-  const uint32_t* v_pairs;        // [B][Hkv][ceil(Skv / 2)][dv_pad], or null
+  const uint32_t* v_pairs;        // [B][Hkv][prepared_v_pairs(Skv, v_slabs)][dv_pad], or null
   const uint8_t* nonfinite;       // [B][Hkv][Skv]: 1 where the key row holds a NaN or inf
   const uint8_t* tile_nonfinite;  // [B][Hkv][tiles]: 1 where any key of the tile does
   int64_t quads, tiles;
@@ -175,8 +180,8 @@ struct Plan {
     // Dense calls whose kv heads serve more than one task's rows: else each V tile is
     // interleaved into pairs about once anyway.
     v_pairs = tile.pv_bf16 && !int8 && !p.block_table && !p.kv_begin && p.Sq * p.group > row_target;
-    v_slabs = v_pairs && amx;
-    v_pairs_per_head = v_slabs ? round_up(p.Skv, kVSlabKeys) / 2 : (p.Skv + 1) / 2;
+    v_slabs = amx && (v_pairs || int8);  // sage int8's V pairs too (prepare_sage)
+    v_pairs_per_head = prepared_v_pairs(p.Skv, v_slabs);
     key_tile = amx ? kAmxKvTile : kKvTile;  // multiples of sage's K scale tiles (kKvTile keys)
     k_floats = std::max(kKvTile * d_pad, amx ? rows_pad * key_tile / 2 : 0);
     v_floats = std::max(kKvTile, key_tile / 2) * dv_pad;

@@ -376,7 +376,8 @@ void prepare_sage_values(const AttentionParams& p, uint32_t* v_codes, float* v_s
 // rows holding a NaN or inf are flagged and get zero codes (see QuantizedKeys).
 template <DType T>
 void prepare_sage(const AttentionParams& p, uint8_t* codes, float* scale, float* mean, uint32_t* v_pairs,
-                  uint8_t* nonfinite, uint8_t* tile_nonfinite, int64_t quads, int64_t tiles, int64_t dv_pad) {
+                  bool v_slabs, uint8_t* nonfinite, uint8_t* tile_nonfinite, int64_t quads, int64_t tiles,
+                  int64_t dv_pad) {
   using E = typename Elem<T>::type;
   auto body = [&](int64_t head, int) {
     const int64_t b = head / p.Hkv, kvh = head % p.Hkv, skv = p.kv_len ? p.kv_len[b] : p.Skv;
@@ -401,7 +402,7 @@ void prepare_sage(const AttentionParams& p, uint8_t* codes, float* scale, float*
       return v;
     };
     const int64_t ld = round_up(p.D, kLanes);
-    AlignedBuffer<float> tile(std::max(kKvTile * ld, 2 * dv_pad));
+    AlignedBuffer<float> tile(std::max(kKvTile * ld, (2 + kLanes) * dv_pad));
     AlignedBuffer<double> sum(ld), mu_wide(ld);
     // K row j into row (zero past D); false where it holds a NaN or inf.
     auto load_key = [&](int64_t j, float* row) {
@@ -471,17 +472,28 @@ void prepare_sage(const AttentionParams& p, uint8_t* codes, float* scale, float*
     }
 #if defined(ATTNKIT_ISA_avx512bf16)
     const E* v = static_cast<const E*>(p.v) + b * p.v_stride[0] + kvh * p.v_stride[1];
-    const int64_t pairs = v_pairs ? (p.Skv + 1) / 2 : 0;  // none for mode int8_pv_int8
+    const int64_t pairs = v_pairs ? prepared_v_pairs(p.Skv, v_slabs) : 0;  // none for mode int8_pv_int8
+    uint32_t* staged = reinterpret_cast<uint32_t*>(tile.data + 2 * dv_pad);  // a slab's pair rows
     for (int64_t jp = 0; jp < pairs; ++jp) {  // rows 2jp and 2jp + 1 of V, zero-padded, as fp32 into tile
-      const int64_t n = 2 * jp + 1 < p.Skv ? 2 : 1;
+      const int64_t n = std::clamp<int64_t>(skv - 2 * jp, 0, 2);
       std::memset(tile.data, 0, sizeof(float) * 2 * dv_pad);
       for (int64_t j = 0; j < n; ++j) {
         load_row<T>(v + (2 * jp + j) * p.v_stride[2], p.v_stride[3], p.Dv, 1.0f, tile.data + j * dv_pad);
       }
-      pair_rows_bf16(tile.data, n, dv_pad, v_pairs + (head * pairs + jp) * dv_pad);
+      uint32_t* dst = v_pairs + (head * pairs + jp) * dv_pad;
+      if (!v_slabs) {
+        pair_rows_bf16(tile.data, 2, dv_pad, dst);
+        continue;
+      }
+      static_assert(kVSlabKeys == 2 * kLanes, "a slab is transposed as one kLanes-row block");
+      pair_rows_bf16(tile.data, 2, dv_pad, staged + jp % kLanes * dv_pad);
+      if (jp % kLanes == kLanes - 1) {
+        transpose_matrix(reinterpret_cast<const float*>(staged), dv_pad, kLanes, dv_pad,
+                         reinterpret_cast<float*>(dst - (kLanes - 1) * dv_pad), kLanes);
+      }
     }
 #else
-    (void)v_pairs;
+    (void)v_pairs, (void)v_slabs;
 #endif
   };
   detail::parallel_for(p.B * p.Hkv, detail::num_threads(), body);

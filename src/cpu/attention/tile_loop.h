@@ -102,8 +102,9 @@ void AttentionTask<T, TK>::attend(const RowBlock& rb, int64_t begin, int64_t end
 // B operand as the softmax wrote them), else O (P's rows transposed per tile).
 template <DType T, DType TK>
 bool AttentionTask<T, TK>::o_transposed(const RowBlock& rb) const {
-  if (rb.mode->key_blocks || plan_.int8) return false;
-  return plan_.amx ? plan_.v_slabs : rb.mode->pv_bf16 || !rb.mode->v_split_bf16;
+  if (rb.mode->key_blocks || plan_.pv_int8) return false;
+  if (plan_.amx) return plan_.v_slabs;
+  return !plan_.int8 && (rb.mode->pv_bf16 || !rb.mode->v_split_bf16);
 }
 
 // O *= alpha, row by row, where the running max moved.
