@@ -91,8 +91,8 @@ void run_sage_int8(const AttentionParams& p, bool pv_int8) {
   const int64_t v_pair_rows = kDotProducts && !pv_int8 ? heads * prepared_v_pairs(p.Skv, v_slabs) : 0;
   AlignedBuffer<uint32_t> v_pairs(v_pair_rows * dv_pad);
   AlignedBuffer<uint8_t> nonfinite(heads * p.Skv), tile_nonfinite(heads * tiles);
-  prepare_sage<T>(p, codes.data, scale.data, mean.data, pv_int8 ? nullptr : v_pairs.data, v_slabs, nonfinite.data,
-                  tile_nonfinite.data, quads, tiles, dv_pad);
+  prepare_sage<T>(p, codes.data, scale.data, mean.data, pv_int8 ? nullptr : v_pairs.data, v_slabs,
+                  nonfinite.data, tile_nonfinite.data, quads, tiles, dv_pad);
   AlignedBuffer<uint32_t> v_codes(pv_int8 ? heads * ((p.Skv + 3) / 4) * dv_pad : 0);
   AlignedBuffer<float> v_scale(pv_int8 ? heads * dv_pad : 0), v_mean(pv_int8 ? heads * dv_pad : 0);
   AlignedBuffer<uint8_t> v_nonfinite(pv_int8 ? heads * p.Skv : 0), v_tile_nonfinite(pv_int8 ? heads * tiles : 0);
