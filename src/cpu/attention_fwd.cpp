@@ -23,13 +23,12 @@ using fwd::kDotProducts;
 using fwd::kKvTile;
 using fwd::Plan;
 using fwd::prepare_sage;
-using fwd::prepared_v_pairs;
 using fwd::QuantizedKeys;
 
+// plan: Plan(p, false) for exact attention; sage's, whose pre-pass lays V out for it, with kq.
 template <DType T, DType TK = T>
-void run_attention(const AttentionParams& p, const QuantizedKeys* kq = nullptr) {
+void run_attention(const AttentionParams& p, const Plan& plan, const QuantizedKeys* kq = nullptr) {
   const int threads = detail::num_threads();
-  const Plan plan(p, kq != nullptr, kq != nullptr && kq->v_codes != nullptr);
   AlignedBuffer<float> workspace(plan.workspace_floats * threads);
   AlignedBuffer<float> partial(plan.partial_floats * plan.slots);
   AlignedBuffer<uint32_t> v_pairs(plan.v_pairs ? p.B * p.Hkv * plan.v_pairs_per_head * plan.dv_pad : 0);
@@ -52,13 +51,14 @@ void run_attention(const AttentionParams& p, const QuantizedKeys* kq = nullptr) 
 // Queries of dtype T over K and V of T, or of a float8 paged cache.
 template <DType T>
 void run_attention_kv(const AttentionParams& p) {
+  const Plan plan(p, false);
   switch (p.kv_dtype) {
     case DType::float8_e4m3fn:
-      return run_attention<T, DType::float8_e4m3fn>(p);
+      return run_attention<T, DType::float8_e4m3fn>(p, plan);
     case DType::float8_e5m2:
-      return run_attention<T, DType::float8_e5m2>(p);
+      return run_attention<T, DType::float8_e5m2>(p, plan);
     default:
-      return run_attention<T>(p);
+      return run_attention<T>(p, plan);
   }
 }
 
@@ -87,11 +87,10 @@ void run_sage_int8(const AttentionParams& p, bool pv_int8) {
   const int64_t dv_pad = round_up(p.Dv, kLanes), heads = p.B * p.Hkv;
   AlignedBuffer<uint8_t> codes(heads * p.Skv * 4 * quads);
   AlignedBuffer<float> scale(heads * tiles), mean(heads * p.D);
-  const bool v_slabs = Plan(p, true, pv_int8).v_slabs;  // the layout the tile loop reads V's pairs in
-  const int64_t v_pair_rows = kDotProducts && !pv_int8 ? heads * prepared_v_pairs(p.Skv, v_slabs) : 0;
-  AlignedBuffer<uint32_t> v_pairs(v_pair_rows * dv_pad);
+  const Plan plan(p, true, pv_int8);  // V's pairs are laid out as its tile loop reads them
+  AlignedBuffer<uint32_t> v_pairs(kDotProducts && !pv_int8 ? heads * plan.v_pairs_per_head * dv_pad : 0);
   AlignedBuffer<uint8_t> nonfinite(heads * p.Skv), tile_nonfinite(heads * tiles);
-  prepare_sage<T>(p, codes.data, scale.data, mean.data, pv_int8 ? nullptr : v_pairs.data, v_slabs,
+  prepare_sage<T>(p, codes.data, scale.data, mean.data, pv_int8 ? nullptr : v_pairs.data, plan.v_slabs,
                   nonfinite.data, tile_nonfinite.data, quads, tiles, dv_pad);
   AlignedBuffer<uint32_t> v_codes(pv_int8 ? heads * ((p.Skv + 3) / 4) * dv_pad : 0);
   AlignedBuffer<float> v_scale(pv_int8 ? heads * dv_pad : 0), v_mean(pv_int8 ? heads * dv_pad : 0);
@@ -104,7 +103,7 @@ void run_sage_int8(const AttentionParams& p, bool pv_int8) {
                          nonfinite.data,    tile_nonfinite.data, quads,       tiles,
                          pv_int8 ? v_codes.data : nullptr,       v_scale.data, v_mean.data,
                          v_nonfinite.data,  v_tile_nonfinite.data};
-  run_attention<T>(p, &kq);
+  run_attention<T>(p, plan, &kq);
 }
 
 }  // namespace
