@@ -92,7 +92,14 @@ void run_sage_int8(const AttentionParams& p, bool pv_int8) {
   AlignedBuffer<uint8_t> nonfinite(heads * p.Skv), tile_nonfinite(heads * tiles);
   prepare_sage<T>(p, codes.data, scale.data, mean.data, pv_int8 ? nullptr : v_pairs.data, plan.v_slabs,
                   nonfinite.data, tile_nonfinite.data, quads, tiles, dv_pad);
-  AlignedBuffer<uint32_t> v_codes(pv_int8 ? heads * ((p.Skv + 3) / 4) * dv_pad : 0);
+  const int64_t v_code_words = heads * ((p.Skv + 3) / 4) * dv_pad;
+#if defined(ATTNKIT_ISA_avx512amx)
+  const int64_t v_pad_words = kAmxTile * dv_pad;  // P·V reads whole tiles of quads: zero ones past the last head's
+#else
+  const int64_t v_pad_words = 0;
+#endif
+  AlignedBuffer<uint32_t> v_codes(pv_int8 ? v_code_words + v_pad_words : 0);
+  if (pv_int8) std::memset(v_codes.data + v_code_words, 0, sizeof(uint32_t) * v_pad_words);
   AlignedBuffer<float> v_scale(pv_int8 ? heads * dv_pad : 0), v_mean(pv_int8 ? heads * dv_pad : 0);
   AlignedBuffer<uint8_t> v_nonfinite(pv_int8 ? heads * p.Skv : 0), v_tile_nonfinite(pv_int8 ? heads * tiles : 0);
   if (pv_int8) {

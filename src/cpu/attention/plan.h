@@ -139,7 +139,8 @@ struct Plan {
   bool v_slabs;              // on AMX tiles those pairs as Vᵀ in slabs of kVSlabKeys keys, the tile
                              // loop accumulating Oᵀ += Vᵀ · Pᵀ (pv_amx_slabs)
   int64_t v_pairs_per_head;  // the prepared pairs of one kv head (whole slabs with v_slabs)
-  bool amx;                  // the tile loop's P·V on pairs (and bf16 Sᵀ) on AMX tiles (avx512amx)
+  bool amx;                  // the tile loop's products on AMX tiles (avx512amx): bf16 pairs' and
+                             // sage's; kAmxKvTile keys per tile, kAmxRowTarget rows per block
   bool group_kv_heads;       // decode tasks run several kv heads (kDecodeKvHeads): they lie side by side
   int64_t head_state_floats;  // one kv head's decode state in such a task (Workspace::head)
   Mode tile;                 // row blocks of more rows
@@ -148,15 +149,15 @@ struct Plan {
   Plan(const AttentionParams& p, bool int8_mode, bool pv_int8_mode = false) {
     int8 = int8_mode;
     pv_int8 = pv_int8_mode;
-    // The tile loop's P·V on AMX tiles (Q·Kᵀ too, but for sage): bf16 inputs, bf16 queries over
-    // an fp8 cache (fp8_pairs), and sage int8's P·V.
+    // The tile loop on AMX tiles: bf16 inputs, bf16 queries over an fp8 cache (fp8_pairs), and
+    // sage (int8 Q·Kᵀ; P·V on bf16 pairs, or u8 × s8 codes in int8_pv_int8).
     const bool bf16_inputs = p.dtype == DType::bfloat16 && p.kv_dtype == DType::bfloat16;
     // fp8 caches (paged) under bf16 queries convert exactly to bf16 pairs (fp8_pairs): the
     // tile loop's K and V tiles (bf16_dot, on AMX tiles too) and decode's K rows. Else they
     // are widened to fp32 as they are packed.
     fp8_cache = p.kv_dtype == DType::float8_e4m3fn || p.kv_dtype == DType::float8_e5m2;
     fp8_pairs = kDotProducts && !int8 && p.dtype == DType::bfloat16 && fp8_cache;
-    amx = kAmxTiles && (int8 ? !pv_int8 : bf16_inputs || fp8_pairs);
+    amx = kAmxTiles && (int8 || bf16_inputs || fp8_pairs);
     const int64_t row_target = amx ? kAmxRowTarget : kRowTarget;
     heads_per_task = p.group < row_target ? p.group : row_target;
     positions_per_task = row_target / heads_per_task;
@@ -180,7 +181,7 @@ struct Plan {
     // Dense calls whose kv heads serve more than one task's rows: else each V tile is
     // interleaved into pairs about once anyway.
     v_pairs = tile.pv_bf16 && !int8 && !p.block_table && !p.kv_begin && p.Sq * p.group > row_target;
-    v_slabs = amx && (v_pairs || int8);  // sage int8's V pairs too (prepare_sage)
+    v_slabs = amx && (v_pairs || (int8 && !pv_int8));  // sage int8's V pairs too (prepare_sage)
     v_pairs_per_head = prepared_v_pairs(p.Skv, v_slabs);
     key_tile = amx ? kAmxKvTile : kKvTile;  // multiples of sage's K scale tiles (kKvTile keys)
     k_floats = std::max(kKvTile * d_pad, amx ? rows_pad * key_tile / 2 : 0);
@@ -204,10 +205,14 @@ struct Plan {
                        + 8 * rows_pad          // running max, sum, rescale; int8 q scale, sum;
                                                // sage's row shift; ALiBi slope, distance
                        + dv_pad * rows_pad;    // output accumulators transposed (tile loop)
-    if (pv_int8) workspace_floats += kKvTile * rows_pad + rows_pad * dv_pad + 3 * rows_pad;  // P codes, P·V, P scale, top P, its key
+    if (pv_int8) workspace_floats += p_code_floats() + rows_pad * dv_pad + 3 * rows_pad;  // P codes, P·V, P scale, top P, its key
     if (group_kv_heads) workspace_floats += kDecodeKvHeads * head_state_floats;
     partial_floats = rows_pad * (dv_pad + 2);  // o, m, l of one split
   }
+
+  // Sage int8_pv_int8's P codes of one tile: [key_tile][rows_pad] floats, or u8 quads [key_tile
+  // / 4][rows_pad] and on AMX tiles those again transposed (the A operand of tdpbusd).
+  int64_t p_code_floats() const { return std::max(kKvTile, key_tile / 2) * rows_pad; }
 
   // The mode of a row block of `rows` rows: key blocks where they pay (decode rows, and the
   // last positions of a sequence), else the tile loop.
@@ -359,7 +364,7 @@ struct Workspace {
     p_top_key = nullptr;
     if (plan.pv_int8) {
       p_codes = ot + plan.dv_pad * plan.rows_pad;
-      pv = p_codes + kKvTile * plan.rows_pad;
+      pv = p_codes + plan.p_code_floats();
       p_scale = pv + plan.rows_pad * plan.dv_pad;
       p_top = p_scale + plan.rows_pad;
       p_top_key = reinterpret_cast<int32_t*>(p_top + plan.rows_pad);

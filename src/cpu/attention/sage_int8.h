@@ -240,19 +240,44 @@ void AttentionTask<T, TK>::pv_int8(const RowBlock& rb, int64_t j0, int64_t bc, c
     }
 #endif
   }
-#if defined(ATTNKIT_ISA_avx512bf16)
+#if defined(ATTNKIT_ISA_avx512amx)
+  // tdpbusd: P's quads transposed to rows (the A operand, whole tiles of quads, zero past
+  // bc), V's quads in place (QuantizedKeys pads them a tile past the last head); the int32
+  // sums land in w.pv and are rescaled with the top P below.
+  const int64_t quads_pad = round_up(quads, kAmxTile);
+  uint32_t* codes = reinterpret_cast<uint32_t*>(w.p_codes);
+  std::memset(codes + quads * ld, 0, sizeof(uint32_t) * (quads_pad - quads) * ld);
+  uint32_t* p_rows = codes + quads_pad * ld;  // [ld][quads_pad]
+  transpose_matrix(reinterpret_cast<const float*>(codes), ld, quads_pad, ld, reinterpret_cast<float*>(p_rows),
+                   quads_pad);
+  int32_t* sums = reinterpret_cast<int32_t*>(w.pv);
+  gemm_amx_u8s8(ld, dv_pad, quads_pad, p_rows, quads_pad, v, dv_pad, sums, dv_pad, false);
+#elif defined(ATTNKIT_ISA_avx512bf16)
   gemm_u8s8_rescale<kTallRows, kTallVecs>(rb.rows, dv_pad, quads, reinterpret_cast<const uint32_t*>(w.p_codes), 1,
                                           ld, v, dv_pad, w.o, dv_pad, w.alpha, w.p_scale);
-  for (int64_t r = 0; r < rb.rows; ++r) {  // + top P · its key's V codes
+#endif
+#if defined(ATTNKIT_ISA_avx512bf16)
+  for (int64_t r = 0; r < rb.rows; ++r) {  // (on AMX: O · alpha + sums · P scale) + top P · its key's V codes
     const int64_t j = w.p_top_key[r];
     const uint32_t* quad = v + j / 4 * dv_pad;
     const int shift = static_cast<int>(24 - 8 * (j % 4));
     const vfloat top = vbroadcast(w.p_top[r]);
     float* o = w.o + r * dv_pad;
+#if defined(ATTNKIT_ISA_avx512amx)
+    const vfloat alpha = vbroadcast(w.alpha[r]), scale = vbroadcast(w.p_scale[r]);
+    const int32_t* sum = sums + r * dv_pad;
+#endif
     for (int64_t d = 0; d < dv_pad; d += kLanes) {
       vint x;
       std::memcpy(&x, quad + d, sizeof x);
-      vstore(o + d, vload(o + d) + top * __builtin_convertvector((x << shift) >> 24, vfloat));
+#if defined(ATTNKIT_ISA_avx512amx)
+      vint s;
+      std::memcpy(&s, sum + d, sizeof s);
+      const vfloat rescaled = vload(o + d) * alpha + __builtin_convertvector(s, vfloat) * scale;
+#else
+      const vfloat rescaled = vload(o + d);
+#endif
+      vstore(o + d, rescaled + top * __builtin_convertvector((x << shift) >> 24, vfloat));
     }
   }
 #else
@@ -284,7 +309,11 @@ template <DType T, DType TK>
 void AttentionTask<T, TK>::fix_nonfinite_values(const RowBlock& rb, int64_t j0, int64_t bc,
                                                 const Workspace& w) const {
   const int64_t ld = plan_.rows_pad, dv_pad = plan_.dv_pad, head = rb.b * p_.Hkv + rb.kvh;
-  if (!kq_->v_tile_nonfinite[head * kq_->tiles + j0 / kKvTile]) return;
+  bool any_row = false;  // in the tile's kKvTile-key scale tiles
+  for (int64_t t = j0 / kKvTile; t * kKvTile < j0 + bc; ++t) {
+    any_row = any_row || kq_->v_tile_nonfinite[head * kq_->tiles + t];
+  }
+  if (!any_row) return;
   const uint8_t* bad = kq_->v_nonfinite + head * p_.Skv + j0;
   const float *scale = kq_->v_scale + head * dv_pad, *mean = kq_->v_mean + head * dv_pad;
   const E* vbase = static_cast<const E*>(p_.v) + rb.b * p_.v_stride[0] + rb.kvh * p_.v_stride[1];
