@@ -340,6 +340,42 @@ const float* AttentionTask<T, TK>::unquantize_pv(const RowBlock& rb, const float
   return scratch;
 }
 
+// Double vectors of kLanes / 2 lanes for sage's pre-passes over K and V, which take means
+// and differences in double: per element the scalar formulas, so the same bits.
+constexpr int kHalf = kLanes / 2;
+using vdouble = double __attribute__((vector_size(kHalf * sizeof(double))));
+using vhalf_ints = int32_t __attribute__((vector_size(kHalf * sizeof(int32_t))));
+inline vdouble widen(const float* x) {
+  using vhalf_floats = float __attribute__((vector_size(kHalf * sizeof(float))));
+  vhalf_floats f;
+  std::memcpy(&f, x, sizeof f);
+  return __builtin_convertvector(f, vdouble);
+}
+inline vdouble vload_double(const double* x) {
+  vdouble v;
+  std::memcpy(&v, x, sizeof v);
+  return v;
+}
+inline void vstore_double(double* x, vdouble v) { std::memcpy(x, &v, sizeof v); }
+// Adding 1.5 · 2^52 rounds |x| < 2^51 to the nearest integer, ties to even.
+inline vdouble round_even(vdouble x) {
+  const vdouble round = vdouble{} + 6755399441055744.0;
+  return (x + round) - round;
+}
+
+// A K or V row of n elements into row, zero-padded to ld (a multiple of kLanes); false where
+// it holds a NaN or inf.
+template <DType T>
+bool load_finite_row(const typename Elem<T>::type* src, int64_t stride, int64_t n, int64_t ld, float* row) {
+  load_row<T>(src, stride, n, 1.0f, row);
+  std::memset(row + n, 0, sizeof(float) * (ld - n));
+  vint nonfinite_lanes{};  // exponent bits all ones
+  for (int64_t d = 0; d < ld; d += kLanes) nonfinite_lanes |= ((vint)vload(row + d) & 0x7F800000) == 0x7F800000;
+  bool finite = true;
+  for (int i = 0; i < kLanes; ++i) finite = finite && nonfinite_lanes[i] == 0;
+  return finite;
+}
+
 // Sage int8_pv_int8: one pass set over V per (batch, kv head) for the QuantizedKeys' V
 // fields: the per-channel mean over the finite rows of its first skv keys (in double),
 // then s8 codes of (v - mean) with one scale per channel (max |v - mean| / 127), as quads
@@ -352,46 +388,62 @@ void prepare_sage_values(const AttentionParams& p, uint32_t* v_codes, float* v_s
   auto body = [&](int64_t head, int) {
     const int64_t b = head / p.Hkv, kvh = head % p.Hkv, skv = p.kv_len ? p.kv_len[b] : p.Skv;
     const E* v = static_cast<const E*>(p.v) + b * p.v_stride[0] + kvh * p.v_stride[1];
+    auto load = [&](int64_t j, float* row) {
+      return load_finite_row<T>(v + j * p.v_stride[2], p.v_stride[3], p.Dv, dv_pad, row);
+    };
     uint8_t* bad = v_nonfinite + head * p.Skv;
     float *mean = v_mean + head * dv_pad, *step = v_scale + head * dv_pad;
-    AlignedBuffer<float> row(dv_pad);
-    AlignedBuffer<double> acc(dv_pad);
+    AlignedBuffer<float> rows(4 * dv_pad);  // a quad's rows, zero past Dv
+    AlignedBuffer<double> acc(dv_pad), mean_wide(dv_pad);
     std::memset(acc.data, 0, sizeof(double) * dv_pad);
     std::memset(bad, 0, p.Skv);
     std::memset(v_tile_nonfinite + head * tiles, 0, tiles);
     int64_t finite_rows = 0;
     for (int64_t j = 0; j < skv; ++j) {
-      load_row<T>(v + j * p.v_stride[2], p.v_stride[3], p.Dv, 1.0f, row.data);
-      bool finite = true;
-      for (int64_t d = 0; d < p.Dv; ++d) finite = finite && std::isfinite(row.data[d]);
-      if (!finite) {
+      if (!load(j, rows.data)) {
         bad[j] = 1, v_tile_nonfinite[head * tiles + j / kKvTile] = 1;
         continue;
       }
       ++finite_rows;
-      for (int64_t d = 0; d < p.Dv; ++d) acc.data[d] += row.data[d];
+      for (int64_t d = 0; d < dv_pad; d += kHalf) vstore_double(acc.data + d, vload_double(acc.data + d) + widen(rows.data + d));
     }
-    for (int64_t d = 0; d < dv_pad; ++d)
+    for (int64_t d = 0; d < dv_pad; ++d) {
       mean[d] = finite_rows && d < p.Dv ? static_cast<float>(acc.data[d] / finite_rows) : 0.0f;
+      mean_wide.data[d] = mean[d];
+    }
     std::memset(acc.data, 0, sizeof(double) * dv_pad);  // now max |v - mean| per channel
     for (int64_t j = 0; j < skv; ++j) {
       if (bad[j]) continue;
-      load_row<T>(v + j * p.v_stride[2], p.v_stride[3], p.Dv, 1.0f, row.data);
-      for (int64_t d = 0; d < p.Dv; ++d) acc.data[d] = std::fmax(acc.data[d], std::fabs(double{row.data[d]} - mean[d]));
+      load(j, rows.data);
+      for (int64_t d = 0; d < dv_pad; d += kHalf) {
+        const vdouble x = widen(rows.data + d) - vload_double(mean_wide.data + d), a = x < 0.0 ? -x : x;
+        const vdouble m = vload_double(acc.data + d);
+        vstore_double(acc.data + d, a > m ? a : m);
+      }
     }
     for (int64_t d = 0; d < dv_pad; ++d) {  // at least the smallest subnormal, so the division stays finite
       const float s = static_cast<float>(acc.data[d] / 127.0);
       step[d] = acc.data[d] > 0.0 ? std::fmax(s, std::numeric_limits<float>::denorm_min()) : 1.0f;
     }
     uint32_t* codes = v_codes + head * vquads * dv_pad;
-    std::memset(codes, 0, sizeof(uint32_t) * vquads * dv_pad);
-    uint8_t* bytes = reinterpret_cast<uint8_t*>(codes);
-    for (int64_t j = 0; j < skv; ++j) {
-      if (bad[j]) continue;
-      load_row<T>(v + j * p.v_stride[2], p.v_stride[3], p.Dv, 1.0f, row.data);
-      for (int64_t d = 0; d < p.Dv; ++d) {
-        const double x = std::nearbyint((double{row.data[d]} - mean[d]) / step[d]);
-        bytes[(j / 4 * dv_pad + d) * 4 + j % 4] = static_cast<uint8_t>(static_cast<int8_t>(x > 127 ? 127 : (x < -127 ? -127 : x)));
+    for (int64_t q = 0; q < vquads; ++q) {  // keys 4q .. 4q + 3: byte t of each word is key 4q + t
+      bool live[4];
+      for (int t = 0; t < 4; ++t) {
+        const int64_t j = 4 * q + t;
+        live[t] = j < skv && !bad[j];
+        if (live[t]) load(j, rows.data + t * dv_pad);
+      }
+      for (int64_t d = 0; d < dv_pad; d += kHalf) {
+        const vdouble mu = vload_double(mean_wide.data + d), vstep = widen(step + d);
+        vhalf_ints word{};
+        for (int t = 0; t < 4; ++t) {
+          if (!live[t]) continue;
+          vdouble x = round_even((widen(rows.data + t * dv_pad + d) - mu) / vstep);
+          x = x > 127.0 ? 127.0 : x;
+          x = x < -127.0 ? -127.0 : x;
+          word |= (__builtin_convertvector(x, vhalf_ints) & 0xFF) << (8 * t);
+        }
+        std::memcpy(codes + q * dv_pad + d, &word, sizeof word);
       }
     }
   };
@@ -413,37 +465,11 @@ void prepare_sage(const AttentionParams& p, uint8_t* codes, float* scale, float*
     const E* k = static_cast<const E*>(p.k) + b * p.k_stride[0] + kvh * p.k_stride[1];
     float* mu = mean + head * p.D;
     uint8_t* bad = nonfinite + head * p.Skv;
-    // K rows staged zero-padded to whole vectors; the sums, the mean and k - mean in double,
-    // kHalf lanes at a time (per element as the scalar formulas, so the same bits).
-    constexpr int kHalf = kLanes / 2;
-    using vdouble = double __attribute__((vector_size(kHalf * sizeof(double))));
-    using vhalf_floats = float __attribute__((vector_size(kHalf * sizeof(float))));
-    using vhalf_ints = int32_t __attribute__((vector_size(kHalf * sizeof(int32_t))));
-    using vhalf_bytes = uint8_t __attribute__((vector_size(kHalf)));
-    auto widen = [](const float* x) {
-      vhalf_floats f;
-      std::memcpy(&f, x, sizeof f);
-      return __builtin_convertvector(f, vdouble);
-    };
-    auto vload_double = [](const double* x) {
-      vdouble v;
-      std::memcpy(&v, x, sizeof v);
-      return v;
-    };
-    const int64_t ld = round_up(p.D, kLanes);
+    const int64_t ld = round_up(p.D, kLanes);  // K rows staged zero-padded to whole vectors
     AlignedBuffer<float> tile(std::max(kKvTile * ld, (2 + kLanes) * dv_pad));
     AlignedBuffer<double> sum(ld), mu_wide(ld);
-    // K row j into row (zero past D); false where it holds a NaN or inf.
     auto load_key = [&](int64_t j, float* row) {
-      load_row<T>(k + j * p.k_stride[2], p.k_stride[3], p.D, 1.0f, row);
-      std::memset(row + p.D, 0, sizeof(float) * (ld - p.D));
-      vint nonfinite_lanes{};  // exponent bits all ones
-      for (int64_t d = 0; d < ld; d += kLanes) {
-        nonfinite_lanes |= ((vint)vload(row + d) & 0x7F800000) == 0x7F800000;
-      }
-      bool finite = true;
-      for (int i = 0; i < kLanes; ++i) finite = finite && nonfinite_lanes[i] == 0;
-      return finite;
+      return load_finite_row<T>(k + j * p.k_stride[2], p.k_stride[3], p.D, ld, row);
     };
     std::memset(sum.data, 0, sizeof(double) * ld);
     int64_t finite_rows = 0;
@@ -452,16 +478,12 @@ void prepare_sage(const AttentionParams& p, uint8_t* codes, float* scale, float*
       bad[j] = !finite;
       if (!finite) continue;
       ++finite_rows;
-      for (int64_t d = 0; d < ld; d += kHalf) {
-        const vdouble acc = vload_double(sum.data + d) + widen(tile.data + d);
-        std::memcpy(sum.data + d, &acc, sizeof acc);
-      }
+      for (int64_t d = 0; d < ld; d += kHalf) vstore_double(sum.data + d, vload_double(sum.data + d) + widen(tile.data + d));
     }
     for (int64_t d = 0; d < ld; ++d) {
       if (d < p.D) mu[d] = finite_rows ? static_cast<float>(sum.data[d] / finite_rows) : 0.0f;
       mu_wide.data[d] = d < p.D ? double{mu[d]} : 0.0;
     }
-    const vdouble round = vdouble{} + 6755399441055744.0;  // 1.5 · 2^52: adding it rounds |x| < 2^51 to even
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t j0 = t * kKvTile, n = skv - j0 < kKvTile ? (skv > j0 ? skv - j0 : 0) : kKvTile;
       vdouble amax_lanes{};
@@ -492,9 +514,9 @@ void prepare_sage(const AttentionParams& p, uint8_t* codes, float* scale, float*
         }
         const float* row = tile.data + j * ld;
         for (int64_t d = 0; d < 4 * quads; d += kHalf) {  // |x| <= 127; zero past D
-          const vdouble x = ((widen(row + d) - vload_double(mu_wide.data + d)) / vstep + round) - round;
+          const vdouble x = round_even((widen(row + d) - vload_double(mu_wide.data + d)) / vstep);
           const vhalf_ints code = __builtin_convertvector(x, vhalf_ints) + 128;
-          const vhalf_bytes c = __builtin_convertvector(code, vhalf_bytes);
+          const auto c = __builtin_convertvector(code, uint8_t __attribute__((vector_size(kHalf))));
           std::memcpy(dst + d, &c, std::min<int64_t>(kHalf, 4 * quads - d));
         }
       }
