@@ -155,6 +155,25 @@ def test_nonfinite_inputs_propagate_as_in_exact_attention(rng, isa, mode):
     assert_contract(out[:, 2:][..., fin[0]], ref[:, 2:][..., fin[0]])
 
 
+@pytest.mark.parametrize("gap", [84.5, 85.5, 86.5])
+def test_second_probability_below_the_coded_range(rng, isa, gap):
+    """Each row's two largest logits `gap` apart in one key tile: the second P, e^-gap, lies
+    between fp32's smallest normal and 2^-120, where 255 / P overflows; the rest of the row
+    is dropped (far below the sum's resolution), not turned into inf codes (the generic
+    product did that once)."""
+    Sq, Skv, D = 20, 200, 16
+    q = np.zeros((1, 2, Sq, D), np.float32)
+    q[..., 0] = 4.0  # scale 1/4: logit j = k[j, 0], within about 0.5 after int8 quantisation
+    k = rng.standard_normal((1, 1, Skv, D)).astype(np.float32)
+    k[..., 0] = -20.0
+    k[0, 0, 7, 0], k[0, 0, 100, 0] = 100.0, 100.0 - gap
+    v = rng.standard_normal((1, 1, Skv, 32)).astype(np.float32)
+    out, _ = sage(q, k, v, "int8_pv_int8")
+    ref, _ = attention_ref(q, k, v, enable_gqa=True)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, ref, rtol=0, atol=0.02)
+
+
 def test_modes_agree_and_threads_bit_identical(rng, restore_runtime):
     """Both int8 modes share Q·Kᵀ; the new one is bit-identical for 1 and 2 threads."""
     q, k, v = make_qkv(rng, 1, 8, 2, 100, 400, 64, 64, "bfloat16")

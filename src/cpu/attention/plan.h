@@ -210,9 +210,10 @@ struct Plan {
     partial_floats = rows_pad * (dv_pad + 2);  // o, m, l of one split
   }
 
-  // Sage int8_pv_int8's P codes of one tile: [key_tile][rows_pad] floats, or u8 quads [key_tile
-  // / 4][rows_pad] and on AMX tiles those again transposed (the A operand of tdpbusd).
-  int64_t p_code_floats() const { return std::max(kKvTile, key_tile / 2) * rows_pad; }
+  // Sage int8_pv_int8's P codes of one tile: u8 quads [key_tile / 4][rows_pad], then on AMX
+  // tiles those transposed (the A operand of tdpbusd), on ISAs without int8 products the codes
+  // as floats [key_tile][rows_pad].
+  int64_t p_code_floats() const { return (key_tile / 4 + (amx ? key_tile / 4 : key_tile)) * rows_pad; }
 
   // The mode of a row block of `rows` rows: key blocks where they pay (decode rows, and the
   // last positions of a sequence), else the tile loop.

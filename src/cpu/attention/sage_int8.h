@@ -191,61 +191,30 @@ float AttentionTask<T, TK>::lse_shift(const RowBlock& rb, int64_t h, int64_t i) 
   return dot * p_.scale;
 }
 
-// Sage int8_pv_int8: O = O · alpha + P · V codes for one key tile. P (in [0, 1] after the
-// online softmax's max subtraction) is split per row: its largest value in the tile (the
-// key attention concentrates on: a sink, the diagonal) is kept exact in fp32, and the rest
-// is quantised to u8 with step (second largest) / 255, so small probabilities next to a
-// dominant one keep their precision (on all-MiniLM-L6-v2 this cut the worst head's
-// relative L1 from 0.05 to 0.004 in an emulation). A row whose P holds a NaN gets p_scale
-// NaN (exact attention's row is NaN too). The sums are exact integers: vpdpbusd, or fp32
-// FMAs on integers below 2^24 (255 · 127 · 128 < 2^23) elsewhere, so every ISA gets the
-// same integers. V's per-channel scale and mean are applied once, in write_out
-// (unquantize_pv).
+// Sage int8_pv_int8: the tile's online softmax and O = O · alpha + P · V codes. P (in [0, 1]
+// after the max subtraction) is split per row as the softmax writes it
+// (online_softmax_tile_u8_quads): its largest value in the tile (the key attention
+// concentrates on: a sink, the diagonal) is kept exact in fp32, and the rest is quantised to
+// u8 with step (second largest) / 255, so small probabilities next to a dominant one keep
+// their precision (on all-MiniLM-L6-v2 this cut the worst head's relative L1 from 0.05 to
+// 0.004 in an emulation). A row whose P holds a NaN gets p_scale NaN (exact attention's row
+// is NaN too). The sums are exact integers: tdpbusd, vpdpbusd, or fp32 FMAs on integers below
+// 2^24 (255 · 127 · 128 < 2^23) elsewhere, so every ISA gets the same integers. V's
+// per-channel scale and mean are applied once, in write_out (unquantize_pv).
 template <DType T, DType TK>
 void AttentionTask<T, TK>::pv_int8(const RowBlock& rb, int64_t j0, int64_t bc, const Workspace& w) const {
   const int64_t ld = plan_.rows_pad, dv_pad = plan_.dv_pad, head = rb.b * p_.Hkv + rb.kvh;
-  [[maybe_unused]] const int64_t quads = (bc + 3) / 4;  // of keys: vpdpbusd's reduction
+  const int64_t quads = (bc + 3) / 4;  // of keys: the products' reduction
   const uint32_t* v = kq_->v_codes + (head * ((p_.Skv + 3) / 4) + j0 / 4) * dv_pad;
-  const vfloat round = vbroadcast(12582912.0f);  // 1.5 · 2^23: adding it rounds [0, 255] to even
-  for (int64_t r = 0; r < ld; r += kLanes) {
-    // The largest and second largest P on the bits (P >= 0; NaN sorts above every finite value).
-    vint top{}, second{}, top_key{};
-    for (int64_t j = 0; j < bc; ++j) {
-      const vint bits = (vint)vload(w.st + j * ld + r) & 0x7FFFFFFF;
-      const vint above = bits > top;
-      second = above ? top : (bits > second ? bits : second);
-      top = above ? bits : top;
-      top_key = above ? static_cast<int32_t>(j) : top_key;
-    }
-    const vfloat rest_max = (vfloat)second, nan = vbroadcast(NAN), zero{};
-    vstore(w.p_scale + r, top > 0x7F800000 ? nan : rest_max * (1.0f / 255.0f));
-    vstore(w.p_top + r, (vfloat)top);
-    std::memcpy(w.p_top_key + r, &top_key, sizeof top_key);
-    const vfloat inv = rest_max > zero ? 255.0f / rest_max : zero;  // false for NaN: codes 0 there
-    auto code = [&](int64_t j) {  // 0 for the top key
-      const vfloat x = (vload(w.st + j * ld + r) * inv + round) - round;
-      return top_key == static_cast<int32_t>(j) ? zero : x;
-    };
-#if defined(ATTNKIT_ISA_avx512bf16)
-    uint32_t* codes = reinterpret_cast<uint32_t*>(w.p_codes);  // [quads][ld] u8 quads
-    for (int64_t q = 0; q < quads; ++q) {
-      vint word{};
-      for (int64_t t = 0; t < 4 && 4 * q + t < bc; ++t) word |= (__builtin_convertvector(code(4 * q + t), vint) & 0xFF) << (8 * t);
-      std::memcpy(codes + q * ld + r, &word, sizeof word);
-    }
-#else
-    for (int64_t j = 0; j < bc; ++j) {  // [bc][ld] codes as floats
-      const vfloat x = code(j);
-      vstore(w.p_codes + j * ld + r, x == x ? x : zero);
-    }
-#endif
-  }
+  const bool bad_values = values_nonfinite(rb, j0, bc);  // fix_nonfinite_values reads P
+  uint32_t* codes = reinterpret_cast<uint32_t*>(w.p_codes);  // [quads][ld]
+  online_softmax_tile_u8_quads(w.st, bc, ld, ld, w.m, w.l, w.alpha, codes, w.p_scale, w.p_top, w.p_top_key,
+                               bad_values);
 #if defined(ATTNKIT_ISA_avx512amx)
   // tdpbusd: P's quads transposed to rows (the A operand, whole tiles of quads, zero past
   // bc), V's quads in place (QuantizedKeys pads them a tile past the last head); the int32
   // sums land in w.pv and are rescaled with the top P below.
   const int64_t quads_pad = round_up(quads, kAmxTile);
-  uint32_t* codes = reinterpret_cast<uint32_t*>(w.p_codes);
   std::memset(codes + quads * ld, 0, sizeof(uint32_t) * (quads_pad - quads) * ld);
   uint32_t* p_rows = codes + quads_pad * ld;  // [ld][quads_pad]
   transpose_matrix(reinterpret_cast<const float*>(codes), ld, quads_pad, ld, reinterpret_cast<float*>(p_rows),
@@ -253,8 +222,8 @@ void AttentionTask<T, TK>::pv_int8(const RowBlock& rb, int64_t j0, int64_t bc, c
   int32_t* sums = reinterpret_cast<int32_t*>(w.pv);
   gemm_amx_u8s8(ld, dv_pad, quads_pad, p_rows, quads_pad, v, dv_pad, sums, dv_pad, false);
 #elif defined(ATTNKIT_ISA_avx512bf16)
-  gemm_u8s8_rescale<kTallRows, kTallVecs>(rb.rows, dv_pad, quads, reinterpret_cast<const uint32_t*>(w.p_codes), 1,
-                                          ld, v, dv_pad, w.o, dv_pad, w.alpha, w.p_scale);
+  gemm_u8s8_rescale<kTallRows, kTallVecs>(rb.rows, dv_pad, quads, codes, 1, ld, v, dv_pad, w.o, dv_pad, w.alpha,
+                                          w.p_scale);
 #endif
 #if defined(ATTNKIT_ISA_avx512bf16)
   for (int64_t r = 0; r < rb.rows; ++r) {  // (on AMX: O · alpha + sums · P scale) + top P · its key's V codes
@@ -281,16 +250,22 @@ void AttentionTask<T, TK>::pv_int8(const RowBlock& rb, int64_t j0, int64_t bc, c
     }
   }
 #else
-  for (int64_t j = 0; j < bc; ++j) {  // byte j % 4 of each quad, sign-extended
+  float* p_floats = w.p_codes + quads * ld;  // the codes as floats [bc][ld]
+  for (int64_t j = 0; j < bc; ++j) {         // byte j % 4 of each quad: of P's, then of V's (sign-extended)
+    const int shift = static_cast<int>(8 * (j % 4));
+    for (int64_t r = 0; r < ld; r += kLanes) {
+      vint x;
+      std::memcpy(&x, codes + j / 4 * ld + r, sizeof x);
+      vstore(p_floats + j * ld + r, __builtin_convertvector((x >> shift) & 0xFF, vfloat));
+    }
     const uint32_t* quad = v + j / 4 * dv_pad;
-    const int shift = static_cast<int>(24 - 8 * (j % 4));
     for (int64_t d = 0; d < dv_pad; d += kLanes) {
       vint x;
       std::memcpy(&x, quad + d, sizeof x);
-      vstore(w.v + j * dv_pad + d, __builtin_convertvector((x << shift) >> 24, vfloat));
+      vstore(w.v + j * dv_pad + d, __builtin_convertvector((x << (24 - shift)) >> 24, vfloat));
     }
   }
-  gemm<kTallRows, kTallVecs>(rb.rows, dv_pad, bc, w.p_codes, 1, ld, w.v, dv_pad, w.pv, dv_pad, false);
+  gemm<kTallRows, kTallVecs>(rb.rows, dv_pad, bc, p_floats, 1, ld, w.v, dv_pad, w.pv, dv_pad, false);
   for (int64_t r = 0; r < rb.rows; ++r) {
     const vfloat alpha = vbroadcast(w.alpha[r]), scale = vbroadcast(w.p_scale[r]), top = vbroadcast(w.p_top[r]);
     const float* vtop = w.v + w.p_top_key[r] * dv_pad;
@@ -299,21 +274,26 @@ void AttentionTask<T, TK>::pv_int8(const RowBlock& rb, int64_t j0, int64_t bc, c
       vstore(o + d, vload(o + d) * alpha + vload(w.pv + r * dv_pad + d) * scale + top * vload(vtop + d));
   }
 #endif
-  fix_nonfinite_values(rb, j0, bc, w);
+  if (bad_values) fix_nonfinite_values(rb, j0, bc, w);
+}
+
+// Whether V rows j0 .. j0+bc-1 of the row block's kv head may hold a NaN or inf: their
+// kKvTile-key scale tiles say so.
+template <DType T, DType TK>
+bool AttentionTask<T, TK>::values_nonfinite(const RowBlock& rb, int64_t j0, int64_t bc) const {
+  const int64_t head = rb.b * p_.Hkv + rb.kvh;
+  bool any = false;
+  for (int64_t t = j0 / kKvTile; t * kKvTile < j0 + bc; ++t) any = any || kq_->v_tile_nonfinite[head * kq_->tiles + t];
+  return any;
 }
 
 // The products of the V rows holding a NaN or inf (zero codes in pv_int8), in fp32 on the
-// unquantised P, in the units unquantize_pv expects: inf and NaN reach the output as they
+// unquantised P (kept in Sᵀ where values_nonfinite), in the units unquantize_pv expects: inf and NaN reach the output as they
 // do in exact attention (also where P is 0: 0 · inf is NaN there too).
 template <DType T, DType TK>
 void AttentionTask<T, TK>::fix_nonfinite_values(const RowBlock& rb, int64_t j0, int64_t bc,
                                                 const Workspace& w) const {
   const int64_t ld = plan_.rows_pad, dv_pad = plan_.dv_pad, head = rb.b * p_.Hkv + rb.kvh;
-  bool any_row = false;  // in the tile's kKvTile-key scale tiles
-  for (int64_t t = j0 / kKvTile; t * kKvTile < j0 + bc; ++t) {
-    any_row = any_row || kq_->v_tile_nonfinite[head * kq_->tiles + t];
-  }
-  if (!any_row) return;
   const uint8_t* bad = kq_->v_nonfinite + head * p_.Skv + j0;
   const float *scale = kq_->v_scale + head * dv_pad, *mean = kq_->v_mean + head * dv_pad;
   const E* vbase = static_cast<const E*>(p_.v) + rb.b * p_.v_stride[0] + rb.kvh * p_.v_stride[1];

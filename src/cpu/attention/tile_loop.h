@@ -77,11 +77,11 @@ void AttentionTask<T, TK>::attend(const RowBlock& rb, int64_t begin, int64_t end
       pv_bf16(rb, vrows, j0, bc, true, w);
       continue;
     }
-    online_softmax_tile(w.st, bc, ld, ld, w.m, w.l, w.alpha);
-    if (plan_.pv_int8) {  // u8 P · s8 V, the rescale by alpha folded in (sage_int8.h)
+    if (plan_.pv_int8) {  // the softmax writing P as u8 codes, u8 P · s8 V, the rescale folded in (sage_int8.h)
       pv_int8(rb, j0, bc, w);
       continue;
     }
+    online_softmax_tile(w.st, bc, ld, ld, w.m, w.l, w.alpha);
     if (j0 != begin) rescale_output(rb, w);
     if (p_.dropout_p > 0.0f) apply_dropout(rb, j0, bc, scores);
     if (rb.mode->pv_bf16) {

@@ -130,6 +130,101 @@ inline void online_softmax_tile_bf16_pairs(float* st, int64_t n_keys, int64_t ld
   online_softmax_tile_of<true, true>(st, n_keys, ld, n_rows, scale, m, l, alpha);
 }
 
+inline constexpr float kMinCodedP = 0x1p-120f;
+static_assert(255.0f / kMinCodedP < 3.4e38f, "255 / P is finite for every coded P");
+// The int8 P·V's form (sage int8_pv_int8): the update of online_softmax_tile with each row's
+// P split for u8 × s8 products. The tile's largest P (key top_key[r], the first of equal
+// scores) is kept exact in p_top; the rest become u8 codes of step p_scale = (second largest
+// P) / 255, rounded to nearest even, the top key's code 0, written as quads of 4 keys:
+// codes[q * ld + r], byte t for key 4q + t, zero past n_keys. P is monotonic in s, so the two
+// largest P are those of the two largest scores, found in the max pass. A row whose P holds a
+// NaN gets p_scale NaN. P stays in st (fp32) only where keep_p. A second largest P below
+// kMinCodedP (e^-83 of the row's max or less) would overflow 255 / P: the rest of that row's
+// P is then dropped, far below the resolution of its sum l.
+template <int G>
+inline void online_softmax_rows_u8_quads(float* st, int64_t n_keys, int64_t ld, float* m, float* l, float* alpha,
+                                         uint32_t* codes, float* p_scale, float* p_top, int32_t* top_key,
+                                         bool keep_p) {
+  auto score = [&](int64_t j, int g) { return vload(st + j * ld + g * kLanes); };
+  vfloat top[G], second[G], m_ref[G], inv[G], sum[G];
+  vint key[G];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) top[g] = second[g] = vbroadcast(-INFINITY), key[g] = vint{};
+  for (int64_t j = 0; j < n_keys; ++j) {
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+      const vfloat s = score(j, g);
+      const vint above = s > top[g];
+      second[g] = above ? top[g] : vmax(second[g], s);
+      top[g] = above ? s : top[g];
+      key[g] = above ? static_cast<int32_t>(j) : key[g];
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) {
+    const vfloat m_new = vmax(vload(m + g * kLanes), top[g]);
+    m_ref[g] = m_new == -INFINITY ? vfloat{} : m_new;  // as online_softmax_rows_of
+    const vfloat rest = vexp2((second[g] - m_ref[g]) * kLog2e);
+    inv[g] = rest >= kMinCodedP ? 255.0f / rest : vfloat{};
+    vstore(p_scale + g * kLanes, rest * (1.0f / 255.0f));
+    vstore(p_top + g * kLanes, vexp2((top[g] - m_ref[g]) * kLog2e));
+    std::memcpy(top_key + g * kLanes, &key[g], sizeof key[g]);
+    sum[g] = vfloat{};
+  }
+  // Key j's code, shifted to byte t of its quad: P · inv rounded to even (adding 1.5 · 2^23),
+  // at most 255 (the top key's, zeroed below). P holds no inf, so the sum is NaN exactly
+  // where a P is; such a row's codes may spill into other bytes, its output is NaN anyway.
+  const vfloat round = vbroadcast(12582912.0f), max_code = vbroadcast(255.0f);
+  auto code = [&](int64_t j, int g, int t) {
+    const vfloat p = vexp2((score(j, g) - m_ref[g]) * kLog2e);
+    sum[g] += p;
+    if (keep_p) vstore(st + j * ld + g * kLanes, p);
+    const vfloat c = (p * inv[g] + round) - round;
+    return __builtin_convertvector(c > max_code ? max_code : c, vint) << (8 * t);
+  };
+  const int64_t whole = n_keys / 4;
+  for (int64_t q = 0; q < whole; ++q) {
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+      const int64_t j = 4 * q;
+      const vint word = code(j, g, 0) | code(j + 1, g, 1) | code(j + 2, g, 2) | code(j + 3, g, 3);
+      std::memcpy(codes + q * ld + g * kLanes, &word, sizeof word);
+    }
+  }
+  if (whole * 4 < n_keys) {
+    for (int g = 0; g < G; ++g) {
+      vint word{};
+      for (int64_t j = whole * 4; j < n_keys; ++j) word |= code(j, g, static_cast<int>(j % 4));
+      std::memcpy(codes + whole * ld + g * kLanes, &word, sizeof word);
+    }
+  }
+  for (int64_t r = 0; r < G * kLanes; ++r) {  // the top keys' codes
+    reinterpret_cast<uint8_t*>(codes + top_key[r] / 4 * ld + r)[top_key[r] % 4] = 0;
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) {
+    const vfloat m_old = vload(m + g * kLanes), m_new = vmax(m_old, top[g]);
+    const vfloat a = vexp2((m_old - m_ref[g]) * kLog2e);
+    vstore(alpha + g * kLanes, a);
+    vstore(l + g * kLanes, vload(l + g * kLanes) * a + sum[g]);
+    vstore(m + g * kLanes, m_new);
+    vstore(p_scale + g * kLanes, sum[g] != sum[g] ? vbroadcast(NAN) : vload(p_scale + g * kLanes));
+  }
+}
+inline void online_softmax_tile_u8_quads(float* st, int64_t n_keys, int64_t ld, int64_t n_rows, float* m, float* l,
+                                         float* alpha, uint32_t* codes, float* p_scale, float* p_top,
+                                         int32_t* top_key, bool keep_p) {
+  int64_t r = 0;
+  for (; r + 4 * kLanes <= n_rows; r += 4 * kLanes) {
+    online_softmax_rows_u8_quads<4>(st + r, n_keys, ld, m + r, l + r, alpha + r, codes + r, p_scale + r, p_top + r,
+                                    top_key + r, keep_p);
+  }
+  for (; r < n_rows; r += kLanes) {
+    online_softmax_rows_u8_quads<1>(st + r, n_keys, ld, m + r, l + r, alpha + r, codes + r, p_scale + r, p_top + r,
+                                    top_key + r, keep_p);
+  }
+}
+
 // The same update for a row-major tile s[r * ld + j], keys j < n_keys (a multiple of
 // kLanes) along the lanes, for rows r < n_rows. Usually no key beats the running max:
 // then one compare replaces the horizontal max, and alpha is exactly 1.
