@@ -109,7 +109,7 @@ def test_labels_and_per_instruction_peak():
 def test_every_instruction_peak_is_reported():
     """The machine line gives each instruction's measured peak per thread count, n/a where the
     CPU lacks it; a forced variant's rows name its own path (avx512vnni: bf16 prefill on fp32 FMAs,
-    int8 Sage on vpdpbusd+vdpbf16ps)."""
+    int8 Sage on vpdpbusd+vdpbf16ps, int8_pv_int8 on vpdpbusd alone)."""
     import os
 
     import attnkit
@@ -132,6 +132,7 @@ def test_every_instruction_peak_is_reported():
     assert res.returncode == 0, res.stdout + res.stderr
     rows = {line.split()[1]: line for line in res.stdout.splitlines() if re.match(r"\s+1\s+\S", line)}
     assert "% of vpdpbusd+vdpbf16ps" in rows["attnkit-sage-int8"], rows
+    assert "% of vpdpbusd " in rows["attnkit-sage-int8-pv-int8"], rows
     assert "% of fp32 FMA" in rows["attnkit-exact"], rows
 
 

@@ -79,8 +79,9 @@ class SageOp(AttentionOp):
 
     def peak_of(self, row):
         """Sage on avx512bf16 and avx512vnni: Q·Kᵀ on vpdpbusd, P·V on vdpbf16ps (FLOP shares
-        D and Dv); on avx512amx Q·Kᵀ on tdpbusd and P·V on tdpbf16ps (int8_pv_int8: P·V on
-        vpdpbusd); elsewhere fp32 FMAs on the integers. Exact peers as in --op attention."""
+        D and Dv); on avx512amx Q·Kᵀ on tdpbusd and P·V on tdpbf16ps. int8_pv_int8: P·V on the
+        int8 instruction of Q·Kᵀ. Elsewhere fp32 FMAs on the integers. Exact peers as in --op
+        attention."""
         import attnkit
 
         if row.role == "attnkit" or row.contender == PV_INT8:
@@ -89,8 +90,8 @@ class SageOp(AttentionOp):
                 return FP32_FMA
             s = row.case.shape
             amx = qk == AMX_INT8
-            if row.contender == PV_INT8:  # P·V on vpdpbusd
-                return ((qk, s.D), (INT8_DOT, s.Dv)) if amx else INT8_DOT
+            if row.contender == PV_INT8:  # both products on tdpbusd, or on vpdpbusd
+                return qk
             return ((qk, s.D), (AMX_BF16 if amx else BF16_DOT, s.Dv))
         return super().peak_of(row)
 
@@ -132,7 +133,7 @@ class SageOp(AttentionOp):
             f"divided by {PV_INT8}'s (target >= 2)",
             "attnkit-sage-int8's % peak is of its mixed peak (vpdpbusd+vdpbf16ps, where it runs "
             f"them): Q·Kᵀ at the measured vpdpbusd rate, P·V at the vdpbf16ps rate, weighted by D and Dv; "
-            f"{PV_INT8}'s of vpdpbusd alone",
+            f"{PV_INT8}'s of its int8 instruction alone (tdpbusd on avx512amx)",
             _fp4_note(),
         ]
 
