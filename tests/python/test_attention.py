@@ -445,6 +445,24 @@ def test_large_scores_stable(rng):
     run_checked(q, k, v, dtype="float32", scale=1.0, mask=mask)
 
 
+@pytest.mark.parametrize("scale", [0.5, 0.9, 1.2])
+@pytest.mark.parametrize("size", [5e3, 2e38])
+def test_huge_finite_logits_bfloat16(rng, isa, size, scale):
+    """bf16 logits of about `size` (finite once scaled), over two AMX key tiles: the bf16
+    softmax that folds the scale into one FMA per exponent rounds its reference -m·log2 e
+    by up to |m|·2^-24, which near 1e38 sent every P of a row to 0 (NaN rows, lse -inf);
+    such rows take the scaled scores rounded first. At 5e3 the logits differ by O(1), so the
+    softmax spreads over both tiles."""
+    Sq, Skv, D = 24, 700, 16
+    q, k, v = make_qkv(rng, 1, 2, 2, Sq, Skv, D, 16, "float32")
+    if size > 1e6:  # one-hot rows: logit q0·k0 up to 2.3e38
+        q[..., 0], k[..., 0] = 1.6e19, rng.uniform(0.3, 0.9, size=(1, 2, Skv)) * 1.6e19
+    else:  # logit size + O(1): q0·k0 the same for every key
+        q[..., 0], k[..., 0] = size / 64, 64.0
+    bf16 = np_dtype("bfloat16")
+    run_checked(q.astype(bf16), k.astype(bf16), v.astype(bf16), dtype="bfloat16", scale=scale)
+
+
 @pytest.mark.parametrize("mask_dtype", DTYPES)
 def test_finite_min_float_mask(rng, mask_dtype):
     """An additive mask of the dtype's most negative finite value (the usual HF-style mask)

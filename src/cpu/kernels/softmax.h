@@ -39,6 +39,9 @@ inline constexpr float kLog2e = 1.4426950408889634f;
 // m stays the reference the sums and outputs are relative to, so lse, sinks and split
 // merges are unchanged.
 inline constexpr float kLazyMaxSlack = 5.545177444479562f;  // ln 256
+// The largest |m| the bf16 pairs form folds into one FMA: its reference's rounding moves a
+// row's exponents by at most 2^10 · 2^-24 · log2 e ≈ 1e-4 there (P by 0.006%).
+inline constexpr float kFoldedMaxRef = 1024.0f;
 template <int G, bool kBf16Pairs, bool kLazyMax = false>
 inline void online_softmax_rows_of(float* st, int64_t n_keys, int64_t ld, float scale, float* m, float* l,
                                    float* alpha) {
@@ -78,8 +81,22 @@ inline void online_softmax_rows_of(float* st, int64_t n_keys, int64_t ld, float 
         }
       }
     };
+    // The folded form's reference -m·log2e is rounded to fp32: off by up to |m|·2^-24, which
+    // shifts every exponent of the row alike (it cancels in O / l) but past |m| ~ 1e9 reaches
+    // 2^±126 (P 0 or inf for every key: the row came out NaN). Rows that large take the scaled
+    // scores rounded first (the contraction kept out), as the unfused softmax does.
+    bool large = false;
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) large |= any_greater((vfloat)((vint)m_ref[g] & 0x7FFFFFFF), vbroadcast(kFoldedMaxRef));
     if (scale == 1.0f) {
       pairs([&](int64_t j, int g) { return vexp2<true>((score(j, g) - m_ref[g]) * log2e); });
+    } else if (large) {
+      const vfloat vscale = vbroadcast(scale);
+      pairs([&](int64_t j, int g) {
+        vfloat scaled = score(j, g) * vscale;
+        asm("" : "+v"(scaled));  // rounded to fp32, not fused into the subtraction
+        return vexp2<true>((scaled - m_ref[g]) * log2e);
+      });
     } else {
       pairs([&](int64_t j, int g) { return vexp2<true>(score(j, g) * scale_log2e + neg_ref_log2e[g]); });
     }
