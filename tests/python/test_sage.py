@@ -68,6 +68,23 @@ def test_key_scale_tiles_of_unequal_magnitude(rng, isa, dtype):
     np.testing.assert_allclose(lse, ref_lse, atol=LSE_ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("mode", ["int8", "int8_pv_int8"])
+@pytest.mark.parametrize("q_size", [2e-37, 1e-30])
+def test_tiny_query_rows(rng, isa, mode, q_size):
+    """Q rows of tiny magnitude against K large enough for O(1) logits: at 2e-37 each row's
+    int8 step (max |q| / 127) is subnormal, whose reciprocal would overflow fp32; the codes
+    must still be row / step as for every other row."""
+    q, k, v = make_qkv(rng, 1, 4, 2, 70, 200, 64, 64, "float32")
+    q = (q.astype(np.float64) * q_size).astype(np.float32)
+    k = (k.astype(np.float64) * (0.5 / q_size)).astype(np.float32)
+    out, lse = attnkit.sage_attention(q, k, v, mode=mode, return_lse=True)
+    ref, ref_lse = attention_ref(q, k, v, enable_gqa=True)
+    assert np.isfinite(out).all()
+    cos, l1 = accuracy(out, ref)
+    assert cos >= COS_MIN and l1 <= REL_L1_MAX, f"cos {cos:.6f}, rel L1 {l1:.4f}"
+    np.testing.assert_allclose(lse, ref_lse, atol=LSE_ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("layout", ["BHSD", "BSHD"])
 def test_layouts_scale_and_bottom_right(rng, layout):
     q, k, v = make_qkv(rng, 2, 8, 1, 37, 200, 64, 48, "bfloat16", layout=layout)
