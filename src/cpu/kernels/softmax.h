@@ -163,7 +163,7 @@ inline void online_softmax_rows_u8_quads(float* st, int64_t n_keys, int64_t ld, 
                                          uint32_t* codes, float* p_scale, float* p_top, int32_t* top_key,
                                          bool keep_p) {
   auto score = [&](int64_t j, int g) { return vload(st + j * ld + g * kLanes); };
-  vfloat top[G], second[G], m_ref[G], inv[G], sum[G];
+  vfloat top[G], second[G], m_new[G], m_ref[G], rest[G], inv[G], sum[G];
   vint key[G];
 #pragma GCC unroll 4
   for (int g = 0; g < G; ++g) top[g] = second[g] = vbroadcast(-INFINITY), key[g] = vint{};
@@ -179,11 +179,10 @@ inline void online_softmax_rows_u8_quads(float* st, int64_t n_keys, int64_t ld, 
   }
 #pragma GCC unroll 4
   for (int g = 0; g < G; ++g) {
-    const vfloat m_new = vmax(vload(m + g * kLanes), top[g]);
-    m_ref[g] = m_new == -INFINITY ? vfloat{} : m_new;  // as online_softmax_rows_of
-    const vfloat rest = vexp2((second[g] - m_ref[g]) * kLog2e);
-    inv[g] = rest >= kMinCodedP ? 255.0f / rest : vfloat{};
-    vstore(p_scale + g * kLanes, rest * (1.0f / 255.0f));
+    m_new[g] = vmax(vload(m + g * kLanes), top[g]);
+    m_ref[g] = m_new[g] == -INFINITY ? vfloat{} : m_new[g];  // as online_softmax_rows_of
+    rest[g] = vexp2((second[g] - m_ref[g]) * kLog2e);
+    inv[g] = rest[g] >= kMinCodedP ? 255.0f / rest[g] : vfloat{};
     vstore(p_top + g * kLanes, vexp2((top[g] - m_ref[g]) * kLog2e));
     std::memcpy(top_key + g * kLanes, &key[g], sizeof key[g]);
     sum[g] = vfloat{};
@@ -220,12 +219,11 @@ inline void online_softmax_rows_u8_quads(float* st, int64_t n_keys, int64_t ld, 
   }
 #pragma GCC unroll 4
   for (int g = 0; g < G; ++g) {
-    const vfloat m_old = vload(m + g * kLanes), m_new = vmax(m_old, top[g]);
-    const vfloat a = vexp2((m_old - m_ref[g]) * kLog2e);
+    const vfloat a = vexp2((vload(m + g * kLanes) - m_ref[g]) * kLog2e);
     vstore(alpha + g * kLanes, a);
     vstore(l + g * kLanes, vload(l + g * kLanes) * a + sum[g]);
-    vstore(m + g * kLanes, m_new);
-    vstore(p_scale + g * kLanes, sum[g] != sum[g] ? vbroadcast(NAN) : vload(p_scale + g * kLanes));
+    vstore(m + g * kLanes, m_new[g]);
+    vstore(p_scale + g * kLanes, sum[g] != sum[g] ? vbroadcast(NAN) : rest[g] * (1.0f / 255.0f));
   }
 }
 inline void online_softmax_tile_u8_quads(float* st, int64_t n_keys, int64_t ld, int64_t n_rows, float* m, float* l,
