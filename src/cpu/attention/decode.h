@@ -2,7 +2,7 @@
 // with row-major scores (keys along the lanes, no padded rows): dot_key_block for Q·Kᵀ,
 // whole-row P·V tiles (on avx512amx over grouped kv heads: both products on AMX tiles,
 // bf16_pairs.h), K and V read in address order with software prefetch where it pays
-// (PrefetchChooser).
+// (TimedChoice).
 #pragma once
 
 #include <algorithm>
@@ -17,16 +17,17 @@
 
 namespace attnkit::cpu::ATTNKIT_ISA::fwd {
 
-// Decode's software prefetch pays only when memory is slow to answer. On this VM the memory
-// state differs from process to process: at one thread Dc took 1.6 ms with the hardware
-// prefetchers alone in some processes and 4-5.5 ms in others, 2.3-4 ms with the prefetches
-// in both. So each task times both on alternate runs of blocks after a warm-up and keeps
-// the faster: 1.7 ms and 3.9 ms in those states. Timing only; results never depend on it.
-class PrefetchChooser {
+// Decode's ways of bringing K and V in differ in speed from machine to machine and, on this
+// VM, from process to process with the memory's state: at one thread Dc took 1.6 ms with the
+// hardware prefetchers alone in some processes and 4-5.5 ms in others, 2.3-4 ms with software
+// prefetches in both. So each task times two ways on alternate runs of blocks after a
+// warm-up and keeps the faster: 1.7 ms and 3.9 ms in those states. Timing only; results
+// never depend on it.
+class TimedChoice {
  public:
-  // Whether the task's block number `block` (from 0) prefetches: yes through the warm-up,
-  // then alternate runs of kRun blocks (even runs yes), then the faster choice.
-  bool prefetch(int64_t block) {
+  // Whether the task's block number `block` (from 0) takes the first way: yes through the
+  // warm-up, then alternate runs of kRun blocks (even runs yes), then the faster way.
+  bool first(int64_t block) {
     if (block >= kDecide) return chosen_;
     if (block < kWarmup) return true;
     return (block - kWarmup) / kRun % 2 == 0;
@@ -43,7 +44,7 @@ class PrefetchChooser {
  private:
   static constexpr int64_t kWarmup = 4, kRun = 4, kDecide = kWarmup + 8 * kRun;
   std::chrono::steady_clock::time_point last_;
-  std::chrono::steady_clock::duration spent_[2] = {};  // in runs with, without prefetch
+  std::chrono::steady_clock::duration spent_[2] = {};  // in runs of the first, the second way
   bool chosen_ = true;
 };
 
@@ -56,15 +57,15 @@ void AttentionTask<T, TK>::attend_rows(const RowBlock& rb, int64_t begin, int64_
                                        const Workspace& w) const {
   start_rows(rb, w);
   const KvRows<EK> krows = kv_rows(p_.k, p_.k_stride, rb), vrows = kv_rows(p_.v, p_.v_stride, rb);
-  PrefetchChooser chooser;
+  TimedChoice prefetch;  // software prefetch, or the hardware prefetchers alone
   const bool ahead = rb.mode->amx_tiles;
   if (ahead) scores_ahead(rb, krows, begin, end, w, scores_t(w, 0));
   for (int64_t j0 = begin; j0 < end; j0 += kDecodeKeys) {
     const int64_t block = (j0 - begin) / kDecodeKeys;
     if (ahead) scores_ahead(rb, krows, j0 + kDecodeKeys, end, w, scores_t(w, (block + 1) % 2));
-    attend_key_block(rb, krows, vrows, j0, end, chooser.prefetch(block), w,
+    attend_key_block(rb, krows, vrows, j0, end, prefetch.first(block), w,
                      ahead ? scores_t(w, block % 2) : nullptr);
-    chooser.done(block);
+    prefetch.done(block);
   }
 }
 
@@ -94,13 +95,15 @@ float* AttentionTask<T, TK>::scores_t(const Workspace& w, int64_t slot) const {
 // heads are read together rather than each head's with a stride of Hkv rows; each head
 // keeps its state in w.head(i). The heads' visits to a block are not in address order,
 // which the hardware prefetchers do not follow, so before them the next block's K and V
-// rows of all the task's heads are read in address order, one load per cache line. On Zen 5
-// (16 sequences of 2048-4096 keys, 8 kv heads) that took 10-30% less time than prefetching
-// the block two ahead a share at each head's turn (the scheme before, which measured best on
-// Zen 4) for bf16 caches of block size 16 and 128, 5-20% for fp8 at 16, the same for fp8 at
-// 128; the same share-wise with loads, or prefetches of the whole block at once, measured no
-// faster than no prefetch at all. A pure read of those blocks in the heads' order ran at
-// 19 GB/s, in address order at 28 (one thread).
+// rows of all the task's heads are asked for in address order, one per cache line: by
+// loads or by software prefetches into L1, whichever the task times faster (TimedChoice).
+// On Zen 5 (16 sequences of 2048-4096 keys, 8 kv heads) the loads took 10-30% less time
+// than prefetching the block two ahead a share at each head's turn (the scheme before,
+// which measured best on Zen 4) for bf16 caches of block size 16 and 128, 5-20% for fp8 at
+// 16, the same for fp8 at 128; the same share-wise with loads, or prefetches of the whole
+// block at once, measured no faster than no prefetch at all (a pure read of those blocks in
+// the heads' order ran at 19 GB/s, in address order at 28, one thread). On the Xeon with
+// AMX (X7) the prefetches into L1 took 3-12% less time than the loads at the same shapes.
 template <DType T, DType TK>
 void AttentionTask<T, TK>::attend_kv_heads(const RowBlock* rbs, int64_t kv_heads, int64_t begin, int64_t end,
                                            const Workspace& w) const {
@@ -113,12 +116,14 @@ void AttentionTask<T, TK>::attend_kv_heads(const RowBlock* rbs, int64_t kv_heads
   // the first's and the last's; the heads share one block table, see Plan::group_kv_heads).
   const int64_t k_span = (krows[kv_heads - 1].base - krows[0].base + p_.D) * int64_t{sizeof(EK)};
   const int64_t v_span = (vrows[kv_heads - 1].base - vrows[0].base + p_.Dv) * int64_t{sizeof(EK)};
-  touch_key_block(krows[0], vrows[0], k_span, v_span, begin, end);
+  TimedChoice loads;  // the next block's lines by loads, or by prefetches into L1
+  touch_key_block(krows[0], vrows[0], k_span, v_span, begin, end, true);
   const bool ahead = rbs[0].mode->amx_tiles;  // every head's row block has the same rows
   if (ahead) scores_ahead(rbs[0], krows[0], begin, end, w.head(0), scores_t(w, 0));
   int64_t step = 0;  // (key block, head) in the order they run
   for (int64_t j0 = begin; j0 < end; j0 += kDecodeKeys) {
-    touch_key_block(krows[0], vrows[0], k_span, v_span, j0 + kDecodeKeys, end);
+    const int64_t block = (j0 - begin) / kDecodeKeys;
+    touch_key_block(krows[0], vrows[0], k_span, v_span, j0 + kDecodeKeys, end, loads.first(block));
     for (int64_t i = 0; i < kv_heads; ++i, ++step) {
       if (ahead) {
         const bool last = i + 1 == kv_heads;
@@ -129,15 +134,22 @@ void AttentionTask<T, TK>::attend_kv_heads(const RowBlock* rbs, int64_t kv_heads
       attend_key_block(rbs[i], krows[i], vrows[i], j0, end, false, w.head(i),
                        ahead ? scores_t(w, step % 2) : nullptr);
     }
+    loads.done(block);
   }
 }
 
 // Decode over several kv heads: the K rows, then the V rows, of keys j0 .. j0 + kDecodeKeys - 1
-// (those before `end`), k_span / v_span bytes each from krows' / vrows' row, one load per line.
+// (those before `end`), k_span / v_span bytes each from krows' / vrows' row, one load (or
+// software prefetch into L1) per line.
 template <DType T, DType TK>
 void AttentionTask<T, TK>::touch_key_block(const KvRows<EK>& krows, const KvRows<EK>& vrows, int64_t k_span,
-                                           int64_t v_span, int64_t j0, int64_t end) {
+                                           int64_t v_span, int64_t j0, int64_t end, bool loads) {
   const int64_t j1 = std::min(end, j0 + kDecodeKeys);
+  if (!loads) {
+    for (int64_t j = j0; j < j1; ++j) prefetch_bytes(krows.row(j), 0, k_span);
+    for (int64_t j = j0; j < j1; ++j) prefetch_bytes(vrows.row(j), 0, v_span);
+    return;
+  }
   uint32_t sum = 0;
   for (int64_t j = j0; j < j1; ++j) sum += touch_lines(krows.row(j), k_span);
   for (int64_t j = j0; j < j1; ++j) sum += touch_lines(vrows.row(j), v_span);
