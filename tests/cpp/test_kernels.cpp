@@ -786,7 +786,8 @@ ISA_TEST(Convert, VectorLoadsMatchScalarConversions) {
 
 // fp8 -> bf16 (decode's K over an fp8 cache) is exact: for every code, in vector and tail
 // positions, the bf16 bits widen to the scalar float32 conversion bit for bit (NaN for NaN);
-// also times a power of two (the sparse decode's V3.2 tile scales).
+// also times a power of two (the sparse decode's V3.2 tile scales), and two rows at once into
+// pairs.
 template <DType T>
 void check_fp8_to_bf16(float (*scalar)(uint8_t)) {
   const Fp8ToBf16<T> convert;
@@ -809,6 +810,21 @@ void check_fp8_to_bf16(float (*scalar)(uint8_t)) {
         ASSERT_EQ(bits_of(got), bits_of(want)) << "code " << int{src[i]} << " at " << i << " of " << n;
       }
       ASSERT_EQ(fp8_to_bf16_bits<T>(src[i]), dst[i]) << "code " << int{src[i]};
+    }
+    // two rows straight into pairs (V's key pairs): row()'s bits, a's low and b's high, or a
+    // zero high half without b; nothing written past n
+    std::vector<uint8_t> second(n);
+    for (int64_t i = 0; i < n; ++i) second[i] = static_cast<uint8_t>((i * 101 + 3 * n + 17) % 256);
+    std::vector<uint16_t> second_bits(n);
+    convert.row(second.data(), 1, n, second_bits.data());
+    for (const bool with_b : {true, false}) {
+      std::vector<uint32_t> pairs(n + 1, 0xABCD1234u);
+      convert.pairs(src.data(), with_b ? second.data() : nullptr, n, pairs.data());
+      EXPECT_EQ(pairs[n], 0xABCD1234u) << "pairs wrote past n = " << n;
+      for (int64_t i = 0; i < n; ++i) {
+        const uint32_t want = dst[i] | (with_b ? uint32_t{second_bits[i]} << 16 : 0u);
+        ASSERT_EQ(pairs[i], want) << "pair " << i << " of " << n << (with_b ? "" : " (no b)");
+      }
     }
     // times 2^e: the exact product of every code (zeros, NaN and inf kept), vector and tail
     for (int e : {1, -1, 7, -13, Fp8ToBf16<T>::kMaxExponent, -Fp8ToBf16<T>::kMaxExponent}) {

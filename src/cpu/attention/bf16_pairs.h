@@ -108,13 +108,21 @@ void AttentionTask<T, TK>::interleave_v_tile(const KvRows<EK>& vrows, int64_t j0
       // The rows of a pair may lie in different pages: a pair's second row that starts
       // a run is added to the pair its first row left half empty.
       uint32_t* dst = vp + j / 2 * dv_pad;  // j counts from the tile's first key
-      const uint16_t* a = bf16_row(v, j);
       if (j % 2 == 0) {
         const bool second_here = j + 1 < first + n;
-        interleave_bf16_rows(a, second_here ? bf16_row(v + vrows.stride, j + 1) : nullptr, col_stride, p_.Dv,
-                             dv_pad, dst);
+        const EK* b = second_here ? v + vrows.stride : nullptr;
+        if constexpr (sizeof(EK) == 1 && Fp8ToBf16<TK>::kVectorPairs) {
+          if (p_.v_stride[3] == 1) {  // fp8 rows straight into pairs
+            Fp8ToBf16<TK>().pairs(v, b, p_.Dv, dst);
+            std::memset(dst + p_.Dv, 0, sizeof(uint32_t) * (dv_pad - p_.Dv));
+            if (second_here) ++j, v += vrows.stride;
+            continue;
+          }
+        }
+        interleave_bf16_rows(bf16_row(v, j), b ? bf16_row(b, j + 1) : nullptr, col_stride, p_.Dv, dv_pad, dst);
         if (second_here) ++j, v += vrows.stride;
       } else {
+        const uint16_t* a = bf16_row(v, j);
         for (int64_t d = 0; d < p_.Dv; ++d) dst[d] |= uint32_t{a[d * col_stride]} << 16;
       }
     }

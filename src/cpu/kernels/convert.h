@@ -166,13 +166,21 @@ class Fp8ToBf16 {
   Fp8ToBf16() {
     static const Table table = [] {
       Table t;
+      // Byte i of pairs()' permuted vector: element order[i] of the pair sequence a0 b0 a1 b1
+      // ... (row()'s order: bytes 8L.. and 32+8L.. in lane L), whose element k is a's k / 2
+      // (byte k / 2 of the first register) or b's (byte k / 2 of the second: index 64 + k / 2).
+      for (int i = 0; i < 64; ++i) {
+        const int lane = i / 16, within = i % 16;
+        const int k = within < 8 ? 8 * lane + within : 32 + 8 * lane + within - 8;
+        t.pair_order[i] = static_cast<uint8_t>(k % 2 == 0 ? k / 2 : 64 + k / 2);
+      }
       for (int m = 0; m < 128; ++m) {
         t.bits[m] = fp8_to_bf16_bits<T>(static_cast<uint8_t>(m));
         t.high[m] = static_cast<uint8_t>(t.bits[m] >> 8), t.low[m] = static_cast<uint8_t>(t.bits[m]);
       }
       return t;
     }();
-    bits_ = table.bits;
+    bits_ = table.bits, pair_order_ = table.pair_order;
 #if defined(ATTNKIT_ISA_avx512)
     for (int t = 0; t < 4; ++t) table_[t] = _mm512_load_si512(table.bits + 32 * t);
 #endif
@@ -250,14 +258,47 @@ class Fp8ToBf16 {
     }
   }
 
+  // Whether pairs() has a vector path (VBMI), where it beats row() and an interleave pass.
+#if defined(__AVX512VBMI__)
+  static constexpr bool kVectorPairs = true;
+#else
+  static constexpr bool kVectorPairs = false;
+#endif
+
+  // dst[i] = the bf16 bits of a[i] | those of b[i] << 16 for i < n (b null: zero high
+  // halves): two rows of unit stride straight into pairs of rows, as a P·V B operand takes
+  // V. With VBMI one permute gathers 32 elements of each row in pair order, then row()'s
+  // lookups: no bf16 rows written and read back.
+  void pairs(const uint8_t* a, const uint8_t* b, int64_t n, uint32_t* dst) const {
+    int64_t i = 0;
+#if defined(__AVX512VBMI__)
+    const __m512i order = _mm512_load_si512(pair_order_), sign_byte = _mm512_set1_epi8(static_cast<char>(0x80));
+    constexpr __mmask64 kHalf = 0xFFFFFFFFu;  // 32 bytes
+    for (; i + 32 <= n; i += 32) {
+      const __m512i av = _mm512_maskz_loadu_epi8(kHalf, a + i);
+      const __m512i bv = b ? _mm512_maskz_loadu_epi8(kHalf, b + i) : _mm512_setzero_si512();
+      const __m512i x = _mm512_permutex2var_epi8(av, order, bv);
+      const __m512i low = _mm512_permutex2var_epi8(low_[0], x, low_[1]);
+      const __m512i high = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(high_[0], x, high_[1]), x, sign_byte, 0xF8);
+      _mm512_storeu_si512(dst + i, _mm512_unpacklo_epi8(low, high));
+      _mm512_storeu_si512(dst + i + 16, _mm512_unpackhi_epi8(low, high));
+    }
+#endif
+    for (; i < n; ++i) dst[i] = uint32_t{word(a[i])} | (b ? uint32_t{word(b[i])} << 16 : 0u);
+  }
+
  private:
+  uint16_t word(uint8_t x) const { return static_cast<uint16_t>(bits_[x & 0x7F] | (x & 0x80) << 8); }
+
   struct alignas(64) Table {
     uint16_t bits[128];         // bf16 bits of the fp8 magnitudes 0..127
     uint8_t high[128], low[128];  // their high and low bytes
+    uint8_t pair_order[64];       // pairs()' permutation
   };
   // The largest finite magnitude's code: e4m3fn's 0x7F is NaN, e5m2's 0x7C and up inf / NaN.
   static constexpr int kMaxFiniteMagnitude = T == DType::float8_e4m3fn ? 0x7E : 0x7B;
   const uint16_t* bits_;  // Table::bits
+  const uint8_t* pair_order_;  // Table::pair_order
 #if defined(ATTNKIT_ISA_avx512)
   __m512i table_[4];
 #endif
