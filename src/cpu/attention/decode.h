@@ -103,7 +103,7 @@ float* AttentionTask<T, TK>::scores_t(const Workspace& w, int64_t slot) const {
 // 16, the same for fp8 at 128; the same share-wise with loads, or prefetches of the whole
 // block at once, measured no faster than no prefetch at all (a pure read of those blocks in
 // the heads' order ran at 19 GB/s, in address order at 28, one thread). On the Xeon with
-// AMX (X7) the prefetches into L1 took 3-12% less time than the loads at the same shapes.
+// AMX (X7) the timed choice took 2-6% less time than the loads alone at the same shapes.
 template <DType T, DType TK>
 void AttentionTask<T, TK>::attend_kv_heads(const RowBlock* rbs, int64_t kv_heads, int64_t begin, int64_t end,
                                            const Workspace& w) const {
