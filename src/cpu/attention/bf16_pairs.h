@@ -87,7 +87,8 @@ void AttentionTask<T, TK>::pv_bf16(const RowBlock& rb, const KvRows<EK>& vrows, 
 
 // bf16 V rows j0 .. j0+bc-1 as pairs of consecutive keys into vp [pairs][dv_pad]; a lone
 // last key pairs with a zero row (its P is zero too). An fp8 cache's rows are converted
-// exactly to bf16 first, two at a time, into w.k (free once Sᵀ is computed).
+// exactly: with VBMI and unit stride straight into pairs, else to bf16 rows first, two at a
+// time, into w.k (free once Sᵀ is computed).
 template <DType T, DType TK>
 void AttentionTask<T, TK>::interleave_v_tile(const KvRows<EK>& vrows, int64_t j0, int64_t bc, uint32_t* vp,
                                              const Workspace& w) const {
@@ -103,6 +104,18 @@ void AttentionTask<T, TK>::interleave_v_tile(const KvRows<EK>& vrows, int64_t j0
       return reinterpret_cast<const uint16_t*>(v);
     }
   };
+  // Rows a and b (or null) of an fp8 cache straight into the pairs at dst, where that has a
+  // vector path; false where the rows go through bf16_row instead.
+  auto fp8_pairs = [&](const EK* a, const EK* b, uint32_t* dst) {
+    if constexpr (sizeof(EK) == 1 && Fp8ToBf16<TK>::kVectorPairs) {
+      if (p_.v_stride[3] == 1) {
+        Fp8ToBf16<TK>().pairs(a, b, p_.Dv, dst);
+        std::memset(dst + p_.Dv, 0, sizeof(uint32_t) * (dv_pad - p_.Dv));
+        return true;
+      }
+    }
+    return false;
+  };
   vrows.for_each_run(j0, bc, [&](const EK* v, int64_t first, int64_t n) {
     for (int64_t j = first; j < first + n; ++j, v += vrows.stride) {
       // The rows of a pair may lie in different pages: a pair's second row that starts
@@ -111,15 +124,9 @@ void AttentionTask<T, TK>::interleave_v_tile(const KvRows<EK>& vrows, int64_t j0
       if (j % 2 == 0) {
         const bool second_here = j + 1 < first + n;
         const EK* b = second_here ? v + vrows.stride : nullptr;
-        if constexpr (sizeof(EK) == 1 && Fp8ToBf16<TK>::kVectorPairs) {
-          if (p_.v_stride[3] == 1) {  // fp8 rows straight into pairs
-            Fp8ToBf16<TK>().pairs(v, b, p_.Dv, dst);
-            std::memset(dst + p_.Dv, 0, sizeof(uint32_t) * (dv_pad - p_.Dv));
-            if (second_here) ++j, v += vrows.stride;
-            continue;
-          }
+        if (!fp8_pairs(v, b, dst)) {
+          interleave_bf16_rows(bf16_row(v, j), b ? bf16_row(b, j + 1) : nullptr, col_stride, p_.Dv, dv_pad, dst);
         }
-        interleave_bf16_rows(bf16_row(v, j), b ? bf16_row(b, j + 1) : nullptr, col_stride, p_.Dv, dv_pad, dst);
         if (second_here) ++j, v += vrows.stride;
       } else {
         const uint16_t* a = bf16_row(v, j);
