@@ -133,6 +133,7 @@ PAGED_CASES = [
     ([0, 0, 1], [0, 0, 5], 16, 2, 2, 8, 8),                      # sequences with no keys
     ([1, 1, 2], [900, 31, 40], 16, 34, 17, 32, 40),              # decode tasks of 16 kv heads, then 1
     ([1, 1], [3000, 40], 16, 8, 2, 64, 64),                      # a long decode of 2 kv heads (kv splits)
+    ([1, 2], [700, 45], 16, 17, 17, 64, 96),                     # 16 kv heads, then 1; 3 tiles of V columns
 ]
 
 
@@ -265,6 +266,25 @@ def test_paged_fp8_cache_runs_the_bf16_path(rng, cache_dtype, isa_name, restore_
     want = attnkit.paged_attention(q, kb, vb, table, lens, cu_q, return_lse=True)
     for a, b in zip(got, want):
         assert_bits_equal(a, b, f"{cache_dtype} vs bf16 cache on {isa_name}")
+
+
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "float8_e5m2"])
+def test_paged_nonfinite_value_stays_in_its_column(rng, cache_dtype, isa):
+    """A non-finite V value reaches only its own column of the output, as in exact P·V (on
+    AMX tiles decode pairs each key's P with two of V's columns, and attends again with them
+    apart where an output holds a NaN)."""
+    q_lens, seq_lens = [1, 1, 3], [300, 40, 77]
+    kc, vc, table = random_paged_batch(rng, q_lens, seq_lens, 16, 2, 64, 64, cache_dtype)
+    vc[table[0, 100 // 16], 100 % 16, 0, 5] = np.inf   # sequence 0, key 100, kv head 0
+    vc[table[2, 0], 3, 1, 10] = np.nan                 # sequence 2, key 3, kv head 1
+    cu_q, lens = cu(q_lens), np.array(seq_lens, dtype=np.int32)
+    q = randn(rng, (cu_q[-1], 4, 64), "bfloat16")
+    out = poison((cu_q[-1], 4, 64), "bfloat16")
+    _, lse = attnkit.paged_attention(q, kc, vc, table, lens, cu_q, return_lse=True, out=out)
+    check(out, lse, paged_ref(q, kc, vc, table, lens, cu_q), "bfloat16")
+    o = to_f64(out)
+    assert np.isposinf(o[0, :2, 5]).all() and np.isnan(o[2:, 2:, 10]).all()
+    assert np.isfinite(np.delete(o[0, :2], 5, axis=-1)).all() and np.isfinite(np.delete(o[2:, 2:], 10, axis=-1)).all()
 
 
 def test_paged_float_scale_and_torch(rng):

@@ -278,19 +278,42 @@ void AttentionTask<T, TK>::take_scores_amx(const RowBlock& rb, const float* st_t
   }
 }
 
-// Decode on AMX tiles: O += P · V for the block's bc keys: P rounded to bf16 and paired in
-// place (keys past bc have P = 0), V's rows interleaved into key pairs in w.v (an fp8
-// cache's converted through w.k), zero pairs up to 8. O in column order.
+// Decode on AMX tiles: O += P · V for the block's bc keys with V's bf16 rows as the B
+// operand as they lie, 16 keys × 32 columns per tile: a tile's products pair key k's P with
+// its row's columns 2n and 2n + 1, so P enters twice, as pairs (p, 0) for the even columns
+// and (0, p) for the odd ones, and O comes in split order (gemm.h's split_bf16_column;
+// write_out restores it): V is not interleaved into key pairs (X7, paged decode P16/P128,
+// one thread: 2-8% less time). A non-finite V value would make its column's partner NaN
+// too (0 · inf), so with v_apart (attend_again_apart) V's even and odd columns are staged
+// apart, each with the other's zeroed. The rows are staged as bf16 in w.v (an fp8 cache's
+// converted exactly; rows past bc zero) where they cannot be read in place (the block's 16
+// keys one run of unit-stride bf16 rows).
 template <DType T, DType TK>
 void AttentionTask<T, TK>::pv_rows_amx(const RowBlock& rb, const KvRows<EK>& vrows, int64_t j0, int64_t bc,
-                                       const Workspace& w) const {
-  constexpr int64_t kPairs = kDecodeKeys / 2;
-  const int64_t dv_pad = plan_.dv_pad, pairs = (bc + 1) / 2;
-  const uint32_t* pp = pair_score_rows(rb, w);
-  uint32_t* vp = reinterpret_cast<uint32_t*>(w.v);
-  interleave_v_tile(vrows, j0, bc, vp, w);
-  std::memset(vp + pairs * dv_pad, 0, sizeof(uint32_t) * (kPairs - pairs) * dv_pad);
-  amx_decode_pv(pp, kDecodeKeys * int64_t{sizeof(uint32_t)}, vp, dv_pad, w.o, dv_pad, dv_pad);
+                                       bool v_apart, const Workspace& w) const {
+  uint32_t* even = reinterpret_cast<uint32_t*>(w.st);  // P's rows (kDecodeKeys apart) in place
+  uint32_t* odd = even + rb.rows * kDecodeKeys;
+  for (int64_t r = 0; r < rb.rows; ++r) {
+    const vuint p = round_to_bf16_bits(vload(w.st + r * kDecodeKeys), kBf16QuietNan);
+    const vuint p_high = p << 16;
+    std::memcpy(even + r * kDecodeKeys, &p, sizeof p);
+    std::memcpy(odd + r * kDecodeKeys, &p_high, sizeof p_high);
+  }
+  const int64_t v_stride = p_.Dv * int64_t{sizeof(uint16_t)};  // of the staged rows, in bytes
+  uint16_t* rows = reinterpret_cast<uint16_t*>(w.v);
+  if (!v_apart && sizeof(EK) == 2 && p_.v_stride[3] == 1 && bc == kDecodeKeys &&
+      vrows.run_end(j0, j0 + bc) == j0 + bc) {
+    const uint16_t* v = reinterpret_cast<const uint16_t*>(vrows.row(j0));
+    return amx_decode_pv(even, odd, v, nullptr, vrows.stride * int64_t{sizeof(EK)}, w.o, plan_.dv_pad, p_.Dv);
+  }
+  stage_bf16_rows(vrows, j0, bc, rows);
+  std::memset(rows + bc * p_.Dv, 0, sizeof(uint16_t) * (kDecodeKeys - bc) * p_.Dv);
+  uint16_t* rows_odd = nullptr;
+  if (v_apart) {  // the odd columns into rows_odd, zeroed in rows (Dv is even)
+    rows_odd = rows + kDecodeKeys * p_.Dv;
+    for (int64_t i = 0; i < kDecodeKeys * p_.Dv; i += 2) rows_odd[i] = 0, rows_odd[i + 1] = rows[i + 1], rows[i + 1] = 0;
+  }
+  amx_decode_pv(even, odd, rows, rows_odd, v_stride, w.o, plan_.dv_pad, p_.Dv);
 }
 #endif
 

@@ -55,18 +55,36 @@ class TimedChoice {
 template <DType T, DType TK>
 void AttentionTask<T, TK>::attend_rows(const RowBlock& rb, int64_t begin, int64_t end,
                                        const Workspace& w) const {
-  start_rows(rb, w);
-  const KvRows<EK> krows = kv_rows(p_.k, p_.k_stride, rb), vrows = kv_rows(p_.v, p_.v_stride, rb);
-  TimedChoice prefetch;  // software prefetch, or the hardware prefetchers alone
-  const bool ahead = rb.mode->amx_tiles;
-  if (ahead) scores_ahead(rb, krows, begin, end, w, scores_t(w, 0));
-  for (int64_t j0 = begin; j0 < end; j0 += kDecodeKeys) {
-    const int64_t block = (j0 - begin) / kDecodeKeys;
-    if (ahead) scores_ahead(rb, krows, j0 + kDecodeKeys, end, w, scores_t(w, (block + 1) % 2));
-    attend_key_block(rb, krows, vrows, j0, end, prefetch.first(block), w,
-                     ahead ? scores_t(w, block % 2) : nullptr);
-    prefetch.done(block);
+  for (const bool v_apart : {false, true}) {
+    start_rows(rb, w);
+    const KvRows<EK> krows = kv_rows(p_.k, p_.k_stride, rb), vrows = kv_rows(p_.v, p_.v_stride, rb);
+    TimedChoice prefetch;  // software prefetch, or the hardware prefetchers alone
+    const bool ahead = rb.mode->amx_tiles;
+    if (ahead) scores_ahead(rb, krows, begin, end, w, scores_t(w, 0));
+    for (int64_t j0 = begin; j0 < end; j0 += kDecodeKeys) {
+      const int64_t block = (j0 - begin) / kDecodeKeys;
+      if (ahead) scores_ahead(rb, krows, j0 + kDecodeKeys, end, w, scores_t(w, (block + 1) % 2));
+      attend_key_block(rb, krows, vrows, j0, end, prefetch.first(block), v_apart, w,
+                       ahead ? scores_t(w, block % 2) : nullptr);
+      prefetch.done(block);
+    }
+    if (v_apart || !attend_again_apart(rb, w)) return;
   }
+}
+
+// Decode on AMX tiles reads V's rows in place, each tile's products pairing a key's P with
+// two columns (pv_rows_amx), so a non-finite V value makes its partner column NaN too
+// (0 · inf). Where a row's O holds a NaN (rare: NaN or infinite inputs), the range is
+// attended again with V's even and odd columns staged apart, which gives each column its
+// own products only.
+template <DType T, DType TK>
+bool AttentionTask<T, TK>::attend_again_apart(const RowBlock& rb, const Workspace& w) const {
+  if (!rb.mode->amx_tiles) return false;
+  for (int64_t r = 0; r < rb.rows; ++r) {
+    const float* o = w.o + r * plan_.dv_pad;
+    if (std::any_of(o, o + p_.Dv, [](float x) { return std::isnan(x); })) return true;
+  }
+  return false;
 }
 
 // Decode on AMX tiles: Sᵀ of the key block from j0 (none at or past `end`) into st_t, a step
@@ -82,12 +100,13 @@ void AttentionTask<T, TK>::scores_ahead(const RowBlock& rb, const KvRows<EK>& kr
 }
 
 // Decode on AMX tiles: the two Sᵀ buffers (16 keys × up to kMaxDotRows rows) of the steps in
-// flight, after V's 8 key pairs in w.v (kKvTile rows of dv_pad floats).
+// flight, after V's staged bf16 rows (twice, with V's columns apart) in w.v (kKvTile rows of
+// dv_pad floats).
 template <DType T, DType TK>
 float* AttentionTask<T, TK>::scores_t(const Workspace& w, int64_t slot) const {
-  static_assert(kDecodeKeys / 2 * kLanes + 2 * kDecodeKeys * kMaxDotRows <= kKvTile * kLanes,
-                "V's pairs and both buffers fit in w.v at the smallest dv_pad");
-  return w.v + kDecodeKeys / 2 * plan_.dv_pad + slot * kDecodeKeys * kMaxDotRows;
+  static_assert(kDecodeKeys * kLanes + 2 * kDecodeKeys * kMaxDotRows <= kKvTile * kLanes,
+                "V's rows and both buffers fit in w.v at the smallest dv_pad");
+  return w.v + kDecodeKeys * plan_.dv_pad + slot * kDecodeKeys * kMaxDotRows;
 }
 
 // Decode over the row blocks of several kv heads whose K/V rows lie side by side (paged
@@ -109,32 +128,37 @@ void AttentionTask<T, TK>::attend_kv_heads(const RowBlock* rbs, int64_t kv_heads
                                            const Workspace& w) const {
   KvRows<EK> krows[kDecodeKvHeads], vrows[kDecodeKvHeads];
   for (int64_t i = 0; i < kv_heads; ++i) {
-    start_rows(rbs[i], w.head(i));
     krows[i] = kv_rows(p_.k, p_.k_stride, rbs[i]), vrows[i] = kv_rows(p_.v, p_.v_stride, rbs[i]);
   }
   // Key j's K (V) rows of all the task's heads: this many bytes from the first head's (between
   // the first's and the last's; the heads share one block table, see Plan::group_kv_heads).
   const int64_t k_span = (krows[kv_heads - 1].base - krows[0].base + p_.D) * int64_t{sizeof(EK)};
   const int64_t v_span = (vrows[kv_heads - 1].base - vrows[0].base + p_.Dv) * int64_t{sizeof(EK)};
-  TimedChoice loads;  // the next block's lines by loads, or by prefetches into L1
-  touch_key_block(krows[0], vrows[0], k_span, v_span, begin, end, true);
-  const bool ahead = rbs[0].mode->amx_tiles;  // every head's row block has the same rows
-  if (ahead) scores_ahead(rbs[0], krows[0], begin, end, w.head(0), scores_t(w, 0));
-  int64_t step = 0;  // (key block, head) in the order they run
-  for (int64_t j0 = begin; j0 < end; j0 += kDecodeKeys) {
-    const int64_t block = (j0 - begin) / kDecodeKeys;
-    touch_key_block(krows[0], vrows[0], k_span, v_span, j0 + kDecodeKeys, end, loads.first(block));
-    for (int64_t i = 0; i < kv_heads; ++i, ++step) {
-      if (ahead) {
-        const bool last = i + 1 == kv_heads;
-        const int64_t next = last ? 0 : i + 1;
-        scores_ahead(rbs[next], krows[next], last ? j0 + kDecodeKeys : j0, end, w.head(next),
-                     scores_t(w, (step + 1) % 2));
+  for (const bool v_apart : {false, true}) {
+    for (int64_t i = 0; i < kv_heads; ++i) start_rows(rbs[i], w.head(i));
+    TimedChoice loads;  // the next block's lines by loads, or by prefetches into L1
+    touch_key_block(krows[0], vrows[0], k_span, v_span, begin, end, true);
+    const bool ahead = rbs[0].mode->amx_tiles;  // every head's row block has the same rows
+    if (ahead) scores_ahead(rbs[0], krows[0], begin, end, w.head(0), scores_t(w, 0));
+    int64_t step = 0;  // (key block, head) in the order they run
+    for (int64_t j0 = begin; j0 < end; j0 += kDecodeKeys) {
+      const int64_t block = (j0 - begin) / kDecodeKeys;
+      touch_key_block(krows[0], vrows[0], k_span, v_span, j0 + kDecodeKeys, end, loads.first(block));
+      for (int64_t i = 0; i < kv_heads; ++i, ++step) {
+        if (ahead) {
+          const bool last = i + 1 == kv_heads;
+          const int64_t next = last ? 0 : i + 1;
+          scores_ahead(rbs[next], krows[next], last ? j0 + kDecodeKeys : j0, end, w.head(next),
+                       scores_t(w, (step + 1) % 2));
+        }
+        attend_key_block(rbs[i], krows[i], vrows[i], j0, end, false, v_apart, w.head(i),
+                         ahead ? scores_t(w, step % 2) : nullptr);
       }
-      attend_key_block(rbs[i], krows[i], vrows[i], j0, end, false, w.head(i),
-                       ahead ? scores_t(w, step % 2) : nullptr);
+      loads.done(block);
     }
-    loads.done(block);
+    bool again = false;
+    for (int64_t i = 0; i < kv_heads; ++i) again = again || attend_again_apart(rbs[i], w.head(i));
+    if (v_apart || !again) return;
   }
 }
 
@@ -174,8 +198,8 @@ void AttentionTask<T, TK>::start_rows(const RowBlock& rb, const Workspace& w) co
 // masks, the online softmax and O += P · V.
 template <DType T, DType TK>
 void AttentionTask<T, TK>::attend_key_block(const RowBlock& rb, const KvRows<EK>& krows, const KvRows<EK>& vrows,
-                                            int64_t j0, int64_t end, bool prefetch, const Workspace& w,
-                                            const float* st_t) const {
+                                            int64_t j0, int64_t end, bool prefetch, bool v_apart,
+                                            const Workspace& w, const float* st_t) const {
   const int64_t ld = kDecodeKeys;
   const Scores scores{w.st, 1, ld};
   const int64_t bc = end - j0 < kDecodeKeys ? end - j0 : kDecodeKeys;
@@ -202,7 +226,7 @@ void AttentionTask<T, TK>::attend_key_block(const RowBlock& rb, const KvRows<EK>
   // (On AMX tiles the next block's Sᵀ is already under way: the block after it.)
   if (prefetch) prefetch_rows(krows, j0 + (rb.mode->amx_tiles ? 2 : 1) * kDecodeKeys, end, p_.D);
   if (rb.mode->amx_tiles) {
-    if constexpr (kAmxTiles) pv_rows_amx(rb, vrows, j0, bc, w);
+    if constexpr (kAmxTiles) pv_rows_amx(rb, vrows, j0, bc, v_apart, w);
   } else if (rb.mode->pv_row_pairs) {
     pv_row_pairs(rb, vrows, j0, bc, w);
   } else {

@@ -116,7 +116,8 @@ struct Mode {
   bool pv_row_pairs;    // key blocks: P·V on bf16 pairs, V's rows interleaved in registers
                         // (gemm_bf16_row_pairs; an fp8 cache's converted); O in pair order
   bool amx_tiles;       // key blocks: both products of qk_pairs's inputs on AMX tiles (avx512amx):
-                        // Sᵀ of 16 keys from K's rows, P·V over their 8 key pairs; O in column order
+                        // Sᵀ of 16 keys from K's rows, P·V from V's rows (whole tiles of 32
+                        // columns); O in split order
 };
 
 // How the work splits into tasks, and the per-thread workspace each task uses.
@@ -311,8 +312,9 @@ struct Plan {
     // the tiles 8.4-9.0 / 14; from memory 28.5 / 27.6 against 25 / 24 ms (the reads and the
     // products barely overlap there). One head at a time ([B, H, S, D] K/V), the tile loads'
     // order (16 rows × 64 bytes at a time) lost the hardware prefetchers: decode Dc took
-    // 4.5 ms on tiles against 3.1-3.7 on vdpbf16ps, the same within cache.
-    m.amx_tiles = m.qk_pairs && amx && group_kv_heads;
+    // 4.5 ms on tiles against 3.1-3.7 on vdpbf16ps, the same within cache. P·V takes V's rows
+    // as they lie, 32 columns per tile (pv_rows_amx), so Dv must fill whole tiles.
+    m.amx_tiles = m.qk_pairs && amx && group_kv_heads && p.Dv % (2 * kLanes) == 0;
     m.pv_row_pairs = key_blocks && bf16_dot && p.Dv % 32 == 0 && !m.amx_tiles;
     const int64_t elems = bf16_dot || m.qk_pairs ? (p.D + 1) / 2 : p.D;  // per Q/K row: fp32, or bf16 pairs
     m.rows_per_vec = rows_per_vector(rows, elems);

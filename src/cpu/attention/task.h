@@ -182,7 +182,7 @@ class AttentionTask {
       const float* o = o_acc + r * plan_.dv_pad;
       const int64_t row = rb.row0 + i;  // packed row (ragged batches), else the position
       E* dst = out + rb.b * p_.out_stride[0] + h * p_.out_stride[1] + row * p_.out_stride[2];
-      if (rb.mode->v_split_bf16) {  // back to column order
+      if (rb.mode->v_split_bf16 || rb.mode->amx_tiles) {  // split order back to column order
         unsplit_bf16_row(o, p_.Dv, scratch);
         o = scratch;
       }
@@ -214,11 +214,13 @@ class AttentionTask {
 
   // Decode (decode.h): key blocks of one vector, row-major scores.
   void attend_rows(const RowBlock& rb, int64_t begin, int64_t end, const Workspace& w) const;
+  bool attend_again_apart(const RowBlock& rb, const Workspace& w) const;
   void attend_kv_heads(const RowBlock* rbs, int64_t kv_heads, int64_t begin, int64_t end, const Workspace& w) const;
   void start_rows(const RowBlock& rb, const Workspace& w) const;
   // st_t: on AMX tiles (Mode::amx_tiles), the block's Sᵀ computed ahead (scores_ahead); else null.
+  // v_apart: on AMX tiles, V's even and odd columns staged apart (pv_rows_amx).
   void attend_key_block(const RowBlock& rb, const KvRows<EK>& krows, const KvRows<EK>& vrows, int64_t j0,
-                        int64_t end, bool prefetch, const Workspace& w, const float* st_t) const;
+                        int64_t end, bool prefetch, bool v_apart, const Workspace& w, const float* st_t) const;
   void scores_ahead(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t end, const Workspace& w,
                     float* st_t) const;
   float* scores_t(const Workspace& w, int64_t slot) const;
@@ -261,7 +263,7 @@ class AttentionTask {
   void qk_tiles_amx(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t bc, const Workspace& w,
                     float* st_t) const;
   void take_scores_amx(const RowBlock& rb, const float* st_t, const Workspace& w) const;
-  void pv_rows_amx(const RowBlock& rb, const KvRows<EK>& vrows, int64_t j0, int64_t bc,
+  void pv_rows_amx(const RowBlock& rb, const KvRows<EK>& vrows, int64_t j0, int64_t bc, bool v_apart,
                    const Workspace& w) const;
 
   // Masks, score modifiers and dropout on a tile of scores (scores.h).

@@ -143,8 +143,9 @@ inline void gemm_amx_u8s8(int64_t m, int64_t n, int64_t k, const uint32_t* a, in
 
 // Decode's tiles (a row block of `rows` <= 16 query rows over key blocks of 16 keys, both
 // products on tiles; attention's decode.h): 0 Sᵀ (16 keys × rows), 1 K (16 keys × 16 pairs),
-// 2 Qᵀ (16 pairs × rows), 3 P (rows × 8 key pairs), 4 and 7 V (8 key pairs × 16 columns),
-// 5 and 6 O (rows × 16 columns). Sized to the rows, so decode's few rows cost no padding.
+// 2 Qᵀ (16 pairs × rows), 3 and 7 P (rows × 16 keys, as pairs (p, 0) and (0, p)), 4 (and 1)
+// V (16 keys × 32 columns), 5 and 6 O (rows × 16 columns). Sized to the rows, so decode's
+// few rows cost no padding.
 inline void amx_configure_decode(int64_t rows) {
   alignas(64) uint8_t config[64] = {};
   config[0] = 1;  // palette 1
@@ -155,11 +156,11 @@ inline void amx_configure_decode(int64_t rows) {
   tile(0, kAmxTile, 4 * rows);
   tile(1, kAmxTile, 64);
   tile(2, kAmxTile, 4 * rows);
-  tile(3, rows, 32);
-  tile(4, 8, 64);
+  tile(3, rows, 64);
+  tile(4, kAmxTile, 64);
   tile(5, rows, 64);
   tile(6, rows, 64);
-  tile(7, 8, 64);
+  tile(7, rows, 64);
   load_tile_config(config);
 }
 
@@ -176,23 +177,45 @@ inline void amx_decode_scores(const uint32_t* k, int64_t k_stride, int64_t kp, c
   _tile_stored(0, st, 4 * rows);
 }
 
-// Decode (amx_configure_decode): o[r][c] += Σ_p pp[r][p] ⊙ vp[p][c] over 8 key pairs for
-// c < n (a multiple of 16): P's pair rows at p_stride bytes, V's pairs [8][ldv], O [rows][ldo].
-inline void amx_decode_pv(const uint32_t* pp, int64_t p_stride, const uint32_t* vp, int64_t ldv, float* o,
-                          int64_t ldo, int64_t n) {
-  _tile_loadd(3, pp, p_stride);
-  for (int64_t c = 0; c < n; c += 2 * kAmxTile) {
-    _tile_loadd(5, o + c, 4 * ldo);
-    _tile_loadd(4, vp + c, 4 * ldv);
-    _tile_dpbf16ps(5, 3, 4);
-    if (c + kAmxTile < n) {
-      _tile_loadd(6, o + c + kAmxTile, 4 * ldo);
-      _tile_loadd(7, vp + c + kAmxTile, 4 * ldv);
-      _tile_dpbf16ps(6, 3, 7);
-      _tile_stored(6, o + c + kAmxTile, 4 * ldo);
+// Decode (amx_configure_decode): O += P · V over 16 keys with V's bf16 rows [16][n] as they
+// lie (v_stride bytes apart) as the B operand, 32 columns per tile: each block of 32 of O's
+// columns comes in split order (gemm.h's split_bf16_column), the even ones from P's rows as
+// pairs (p, 0) in `even`, the odd ones from (0, p) in `odd` ([rows][16] each). Where v_odd is
+// not null the odd columns' products read it instead (then v holds V with its odd columns
+// zeroed and v_odd with its even ones: no 0 · inf products); O [rows][ldo], n a multiple of 32.
+inline void amx_decode_pv(const uint32_t* even, const uint32_t* odd, const uint16_t* v, const uint16_t* v_odd,
+                          int64_t v_stride, float* o, int64_t ldo, int64_t n) {
+  const int64_t so = 4 * ldo;
+  _tile_loadd(3, even, 64);
+  _tile_loadd(7, odd, 64);
+  // One V tile per block of columns, in tiles 4 and 1 by turns (1 is K's, free here), so
+  // that a block's load need not wait for the last block's products.
+  auto block = [&](int64_t c) {
+    _tile_loadd(5, o + c, so);
+    _tile_loadd(6, o + c + kAmxTile, so);
+    if (c / (2 * kAmxTile) % 2 == 0) {
+      _tile_loadd(4, v + c, v_stride);
+      _tile_dpbf16ps(5, 3, 4);
+      _tile_dpbf16ps(6, 7, 4);
+    } else {
+      _tile_loadd(1, v + c, v_stride);
+      _tile_dpbf16ps(5, 3, 1);
+      _tile_dpbf16ps(6, 7, 1);
     }
-    _tile_stored(5, o + c, 4 * ldo);
-  }
+    _tile_stored(5, o + c, so);
+    _tile_stored(6, o + c + kAmxTile, so);
+  };
+  auto block_apart = [&](int64_t c) {
+    _tile_loadd(5, o + c, so);
+    _tile_loadd(6, o + c + kAmxTile, so);
+    _tile_loadd(4, v + c, v_stride);
+    _tile_loadd(1, v_odd + c, v_stride);
+    _tile_dpbf16ps(5, 3, 4);
+    _tile_dpbf16ps(6, 7, 1);
+    _tile_stored(5, o + c, so);
+    _tile_stored(6, o + c + kAmxTile, so);
+  };
+  for (int64_t c = 0; c < n; c += 2 * kAmxTile) v_odd ? block_apart(c) : block(c);
 }
 
 }  // namespace attnkit::cpu::ATTNKIT_ISA
