@@ -80,9 +80,15 @@ void AttentionTask<T, TK>::attend_rows(const RowBlock& rb, int64_t begin, int64_
 template <DType T, DType TK>
 bool AttentionTask<T, TK>::attend_again_apart(const RowBlock& rb, const Workspace& w) const {
   if (!rb.mode->amx_tiles) return false;
+  vint nan = {};  // lanes where some row's O held a NaN (Dv is whole vectors here)
   for (int64_t r = 0; r < rb.rows; ++r) {
-    const float* o = w.o + r * plan_.dv_pad;
-    if (std::any_of(o, o + p_.Dv, [](float x) { return std::isnan(x); })) return true;
+    for (int64_t d = 0; d < p_.Dv; d += kLanes) {
+      const vfloat o = vload(w.o + r * plan_.dv_pad + d);
+      nan |= o != o;
+    }
+  }
+  for (int i = 0; i < kLanes; ++i) {
+    if (nan[i]) return true;
   }
   return false;
 }
