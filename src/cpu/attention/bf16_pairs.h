@@ -250,11 +250,13 @@ void AttentionTask<T, TK>::start_rows_amx(const RowBlock& rb, const Workspace& w
 // cache's converted exactly).
 template <DType T, DType TK>
 void AttentionTask<T, TK>::qk_tiles_amx(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t bc,
-                                        const Workspace& w, float* st_t) const {
+                                        const Workspace& w, float* st_t, const uint16_t* k_staged) const {
   const int64_t pairs = (p_.D + 1) / 2, kp = round_up(pairs, kAmxTile);
   const uint32_t* k;
   int64_t k_stride;  // bytes
-  if (rb.mode->k_in_place && pairs == kp && bc == kAmxTile && krows.run_end(j0, j0 + bc) == j0 + bc) {
+  if (k_staged) {
+    k = reinterpret_cast<const uint32_t*>(k_staged), k_stride = kp * int64_t{sizeof(uint32_t)};
+  } else if (rb.mode->k_in_place && pairs == kp && bc == kAmxTile && krows.run_end(j0, j0 + bc) == j0 + bc) {
     k = reinterpret_cast<const uint32_t*>(krows.row(j0)), k_stride = krows.stride * int64_t{sizeof(EK)};
   } else {
     uint32_t* staged = pack_key_pairs(krows, j0, bc, kp, w);
@@ -290,7 +292,7 @@ void AttentionTask<T, TK>::take_scores_amx(const RowBlock& rb, const float* st_t
 // keys one run of unit-stride bf16 rows).
 template <DType T, DType TK>
 void AttentionTask<T, TK>::pv_rows_amx(const RowBlock& rb, const KvRows<EK>& vrows, int64_t j0, int64_t bc,
-                                       bool v_apart, const Workspace& w) const {
+                                       bool v_apart, const Workspace& w, const uint16_t* v_staged) const {
   uint32_t* even = reinterpret_cast<uint32_t*>(w.st);  // P's rows (kDecodeKeys apart) in place
   uint32_t* odd = even + rb.rows * kDecodeKeys;
   for (int64_t r = 0; r < rb.rows; ++r) {
@@ -300,6 +302,7 @@ void AttentionTask<T, TK>::pv_rows_amx(const RowBlock& rb, const KvRows<EK>& vro
     std::memcpy(odd + r * kDecodeKeys, &p_high, sizeof p_high);
   }
   const int64_t v_stride = p_.Dv * int64_t{sizeof(uint16_t)};  // of the staged rows, in bytes
+  if (v_staged) return amx_decode_pv(even, odd, v_staged, nullptr, v_stride, w.o, plan_.dv_pad, p_.Dv);
   uint16_t* rows = reinterpret_cast<uint16_t*>(w.v);
   if (!v_apart && sizeof(EK) == 2 && p_.v_stride[3] == 1 && bc == kDecodeKeys &&
       vrows.run_end(j0, j0 + bc) == j0 + bc) {

@@ -219,10 +219,15 @@ class AttentionTask {
   void start_rows(const RowBlock& rb, const Workspace& w) const;
   // st_t: on AMX tiles (Mode::amx_tiles), the block's Sᵀ computed ahead (scores_ahead); else null.
   // v_apart: on AMX tiles, V's even and odd columns staged apart (pv_rows_amx).
+  // v_staged / k_staged: on AMX tiles over an fp8 cache, the block's V / K rows in bf16
+  // (stage_fp8_rows), else null.
   void attend_key_block(const RowBlock& rb, const KvRows<EK>& krows, const KvRows<EK>& vrows, int64_t j0,
-                        int64_t end, bool prefetch, bool v_apart, const Workspace& w, const float* st_t) const;
+                        int64_t end, bool prefetch, bool v_apart, const Workspace& w, const float* st_t,
+                        const uint16_t* v_staged) const;
   void scores_ahead(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t end, const Workspace& w,
-                    float* st_t) const;
+                    float* st_t, const uint16_t* k_staged) const;
+  void stage_fp8_rows(const KvRows<EK>& rows, int64_t col_stride, int64_t cols, int64_t j0, int64_t end,
+                      int64_t width, uint16_t* dst) const;
   float* scores_t(const Workspace& w, int64_t slot) const;
   static void prefetch_rows(const KvRows<EK>& rows, int64_t first, int64_t end, int64_t cols);
   static void touch_key_block(const KvRows<EK>& krows, const KvRows<EK>& vrows, int64_t k_span, int64_t v_span,
@@ -261,10 +266,10 @@ class AttentionTask {
   // Decode on AMX tiles (bf16_pairs.h; defined on avx512amx only, called under kAmxTiles).
   void start_rows_amx(const RowBlock& rb, const Workspace& w) const;
   void qk_tiles_amx(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t bc, const Workspace& w,
-                    float* st_t) const;
+                    float* st_t, const uint16_t* k_staged) const;
   void take_scores_amx(const RowBlock& rb, const float* st_t, const Workspace& w) const;
   void pv_rows_amx(const RowBlock& rb, const KvRows<EK>& vrows, int64_t j0, int64_t bc, bool v_apart,
-                   const Workspace& w) const;
+                   const Workspace& w, const uint16_t* v_staged) const;
 
   // Masks, score modifiers and dropout on a tile of scores (scores.h).
   void apply_masks(const RowBlock& rb, int64_t j0, int64_t bc, const Scores& st) const;
