@@ -287,9 +287,10 @@ void AttentionTask<T, TK>::take_scores_amx(const RowBlock& rb, const float* st_t
 // write_out restores it): V is not interleaved into key pairs (X7, paged decode P16/P128,
 // one thread: 2-8% less time). A non-finite V value would make its column's partner NaN
 // too (0 · inf), so with v_apart (attend_again_apart) V's even and odd columns are staged
-// apart, each with the other's zeroed. The rows are staged as bf16 in w.v (an fp8 cache's
-// converted exactly; rows past bc zero) where they cannot be read in place (the block's 16
-// keys one run of unit-stride bf16 rows).
+// apart, each with the other's zeroed. The rows come staged a step ahead (v_staged: an fp8
+// cache's, attend_kv_heads), else are read in place (the block's 16 keys one run of
+// unit-stride bf16 rows), else staged here as bf16 in w.v (an fp8 cache's converted
+// exactly; rows past bc zero).
 template <DType T, DType TK>
 void AttentionTask<T, TK>::pv_rows_amx(const RowBlock& rb, const KvRows<EK>& vrows, int64_t j0, int64_t bc,
                                        bool v_apart, const Workspace& w, const uint16_t* v_staged) const {
