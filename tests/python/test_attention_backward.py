@@ -588,6 +588,24 @@ def test_modifiers_random(dtype, seed):
     check_mod_grads(got, ref, dtype)
 
 
+@pytest.mark.parametrize("B,H,Sq,Skv,causal,window", [
+    (2, 8, 800, 800, True, None),                 # one key split, three pairs of key blocks
+    (1, 8, 1200, 1100, "bottom_right", None),     # two splits of two pairs; rows 0-99 see no key
+    (1, 8, 1100, 1100, False, (200, 30)),         # a window: each pair sees a band of rows
+])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_long_keys_several_key_blocks_per_task(rng, dtype, B, H, Sq, Skv, causal, window):
+    """Tasks of several key blocks (192 keys each, run in pairs) and key splits whose partial
+    dQs are summed: the other tests' shapes have at most two key blocks."""
+    q, k, v = randn(rng, (B, H, Sq, 16), dtype), randn(rng, (B, H, Skv, 16), dtype), randn(rng, (B, H, Skv, 16), dtype)
+    kw = dict(causal=causal, window=window)
+    out, lse = forward(q, k, v, **kw)
+    dout = randn(rng, out.shape, dtype)
+    dq, dk, dv = poisoned_grads(q, k, v)
+    got = attnkit.attention_backward(q, k, v, out, lse, dout, dq=dq, dk=dk, dv=dv, **kw)
+    check_grads(got, grad_ref_mods(q, k, v, dout, **kw), dtype)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_modifiers_every_isa(isa, dtype):
     rng = np.random.default_rng(7)
