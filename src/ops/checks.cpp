@@ -162,4 +162,16 @@ void check_no_overlap(const TensorView& a, const char* a_name, const TensorView&
   }
 }
 
+void check_output(const TensorView& t, const char* name, DType dtype, std::initializer_list<int64_t> shape) {
+  bool ok = t.rank == static_cast<int>(shape.size());
+  for (int d = 0; ok && d < t.rank; ++d) ok = t.shape[d] == shape.begin()[d];
+  if (!ok) {
+    std::string want = "[";
+    for (int64_t s : shape) want += (want.size() > 1 ? ", " : "") + std::to_string(s);
+    fail(name, " must have shape ", want, "], got ", t.shape_str());
+  }
+  if (t.dtype != dtype) fail(name, " must be ", dtype_name(dtype), ", got ", dtype_name(t.dtype));
+  if (!t.is_contiguous()) fail(name, " must be contiguous");
+}
+
 }  // namespace attnkit::detail

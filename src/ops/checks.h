@@ -39,6 +39,9 @@ void broadcast_strides(const TensorView& t, const char* name, std::initializer_l
 // (checked exactly), and no offset may overflow int64.
 void check_writable_layout(const TensorView& t, const char* name);
 
+// A contiguous output of exactly this dtype and shape.
+void check_output(const TensorView& t, const char* name, DType dtype, std::initializer_list<int64_t> shape);
+
 // The memory spans of a and b must not overlap (a conservative check on address ranges).
 void check_no_overlap(const TensorView& a, const char* a_name, const TensorView& b, const char* b_name);
 

@@ -17,24 +17,13 @@ namespace attnkit {
 namespace {
 
 using detail::check_no_overlap;
+using detail::check_output;
 using detail::fail;
 
 void check_int32_vector(const TensorView& t, const char* name, int64_t n, const char* what) {
   if (t.rank != 1 || t.shape[0] != n || t.dtype != DType::int32) {
     fail(name, " must be int32 of shape [", n, "] (", what, "), got ", dtype_name(t.dtype), " of shape ", t.shape_str());
   }
-}
-
-void check_output(const TensorView& t, const char* name, DType dtype, std::initializer_list<int64_t> shape) {
-  bool ok = t.rank == static_cast<int>(shape.size());
-  for (int d = 0; ok && d < t.rank; ++d) ok = t.shape[d] == shape.begin()[d];
-  if (!ok) {
-    std::string want = "[";
-    for (int64_t s : shape) want += (want.size() > 1 ? ", " : "") + std::to_string(s);
-    fail(name, " must have shape ", want, "], got ", t.shape_str());
-  }
-  if (t.dtype != dtype) fail(name, " must be ", dtype_name(dtype), ", got ", dtype_name(t.dtype));
-  if (!t.is_contiguous()) fail(name, " must be contiguous");
 }
 
 bool is_byte_dtype(DType d) { return d == DType::uint8 || d == DType::int8 || d == DType::float8_e4m3fn; }

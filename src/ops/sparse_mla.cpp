@@ -15,6 +15,7 @@ namespace attnkit {
 namespace {
 
 using detail::check_no_overlap;
+using detail::check_output;
 using detail::fail;
 
 constexpr const char* kStrictOp = "sparse_mla_q8kv8_prefill_fwd";
@@ -31,18 +32,6 @@ float read_scale(const std::optional<TensorView>& t, const char* name, bool requ
   const float value = *static_cast<const float*>(t->data);
   if (!std::isfinite(value)) fail(name, " must be finite, got ", value);
   return value;
-}
-
-void check_output(const TensorView& t, const char* name, DType dtype, std::initializer_list<int64_t> shape) {
-  bool ok = t.rank == static_cast<int>(shape.size());
-  for (int d = 0; ok && d < t.rank; ++d) ok = t.shape[d] == shape.begin()[d];
-  if (!ok) {
-    std::string want = "[";
-    for (int64_t s : shape) want += (want.size() > 1 ? ", " : "") + std::to_string(s);
-    fail(name, " must have shape ", want, "], got ", t.shape_str());
-  }
-  if (t.dtype != dtype) fail(name, " must be ", dtype_name(dtype), ", got ", dtype_name(t.dtype));
-  if (!t.is_contiguous()) fail(name, " must be contiguous");
 }
 
 }  // namespace

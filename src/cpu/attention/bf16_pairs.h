@@ -426,35 +426,16 @@ void AttentionTask<T, TK>::pack_pairs(const uint16_t* src, int64_t stride, uint3
 template <DType T, DType TK>
 uint32_t* AttentionTask<T, TK>::pack_key_pairs(const KvRows<EK>& krows, int64_t j0, int64_t n, int64_t ld,
                                                const Workspace& w) const {
-  if constexpr (sizeof(EK) == 1) return pack_fp8_key_pairs(krows, j0, n, ld, w);
   uint32_t* kp = reinterpret_cast<uint32_t*>(w.k);
+  if constexpr (sizeof(EK) == 1) {  // odd D ends with a zero
+    convert_fp8_rows(krows, p_.k_stride[3], p_.D, j0, n, 2 * ld, reinterpret_cast<uint16_t*>(kp));
+    return kp;
+  }
   const int64_t pairs = (p_.D + 1) / 2;
   krows.for_each_run(j0, n, [&](const EK* k, int64_t first, int64_t count) {
     const uint16_t* k16 = reinterpret_cast<const uint16_t*>(k);  // EK is bf16 on this path
     for (int64_t j = first; j < first + count; ++j) {
       pack_pairs(k16 + (j - first) * krows.stride, p_.k_stride[3], kp + j * ld);
-      std::memset(kp + j * ld + pairs, 0, sizeof(uint32_t) * (ld - pairs));
-    }
-  });
-  return kp;
-}
-
-// An fp8 cache (decode, the tile loop): K rows j0 .. j0+n-1 converted exactly to bf16 pairs into w.k,
-// rows of ld pairs (zero past the row's own pairs; odd D ends with a zero).
-template <DType T, DType TK>
-uint32_t* AttentionTask<T, TK>::pack_fp8_key_pairs(const KvRows<EK>& krows, int64_t j0, int64_t n, int64_t ld,
-                                                   const Workspace& w) const {
-  uint32_t* kp = reinterpret_cast<uint32_t*>(w.k);
-  const int64_t pairs = (p_.D + 1) / 2, col_stride = p_.k_stride[3];
-  const Fp8ToBf16<TK> convert;
-  krows.for_each_run(j0, n, [&](const EK* k, int64_t first, int64_t count) {
-    for (int64_t j = first; j < first + count; ++j, k += krows.stride) {
-      // as pack_rows does: the row this far ahead in its page (without it, the K loads
-      // stalled and shape P128 took 1.3x the fp32 path's time)
-      if (krows.in_page(j0 + j, kPrefetchRows)) prefetch_bytes(k, kPrefetchRows * krows.stride, p_.D);
-      uint16_t* row = reinterpret_cast<uint16_t*>(kp + j * ld);
-      convert.row(k, col_stride, p_.D, row);
-      if (p_.D % 2) row[p_.D] = 0;
       std::memset(kp + j * ld + pairs, 0, sizeof(uint32_t) * (ld - pairs));
     }
   });

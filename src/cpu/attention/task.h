@@ -220,14 +220,14 @@ class AttentionTask {
   // st_t: on AMX tiles (Mode::amx_tiles), the block's Sᵀ computed ahead (scores_ahead); else null.
   // v_apart: on AMX tiles, V's even and odd columns staged apart (pv_rows_amx).
   // v_staged / k_staged: on AMX tiles over an fp8 cache, the block's V / K rows in bf16
-  // (stage_fp8_rows), else null.
+  // (convert_fp8_rows), else null.
   void attend_key_block(const RowBlock& rb, const KvRows<EK>& krows, const KvRows<EK>& vrows, int64_t j0,
                         int64_t end, bool prefetch, bool v_apart, const Workspace& w, const float* st_t,
                         const uint16_t* v_staged) const;
   void scores_ahead(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t end, const Workspace& w,
                     float* st_t, const uint16_t* k_staged) const;
-  void stage_fp8_rows(const KvRows<EK>& rows, int64_t col_stride, int64_t cols, int64_t j0, int64_t end,
-                      int64_t width, uint16_t* dst) const;
+  void convert_fp8_rows(const KvRows<EK>& rows, int64_t col_stride, int64_t cols, int64_t j0, int64_t n,
+                        int64_t width, uint16_t* dst) const;
   float* scores_t(const Workspace& w, int64_t slot) const;
   static void prefetch_rows(const KvRows<EK>& rows, int64_t first, int64_t end, int64_t cols);
   static void touch_key_block(const KvRows<EK>& krows, const KvRows<EK>& vrows, int64_t k_span, int64_t v_span,
@@ -254,8 +254,6 @@ class AttentionTask {
   const uint32_t* pair_score_rows(const RowBlock& rb, const Workspace& w) const;
   uint32_t* pack_key_pairs(const KvRows<EK>& krows, int64_t j0, int64_t n, int64_t ld,
                            const Workspace& w) const;
-  uint32_t* pack_fp8_key_pairs(const KvRows<EK>& krows, int64_t j0, int64_t n, int64_t ld,
-                               const Workspace& w) const;
 #endif
 #if defined(ATTNKIT_ISA_avx512amx)
   void qk_amx(const KvRows<EK>& krows, bool k_in_place, int64_t j0, int64_t bc, const Workspace& w) const;
