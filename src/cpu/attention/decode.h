@@ -209,9 +209,9 @@ void AttentionTask<T, TK>::touch_key_block(const KvRows<EK>& krows, const KvRows
 
 // Rows j0 .. j0+n-1 of an fp8 cache's `rows` (cols values, col_stride apart) converted
 // exactly to bf16 rows of `width` values at dst, zero past cols: K as bf16 pairs along D, or
-// the decode's K and V rows staged for AMX tiles. Each row's successor kPrefetchRows ahead in
-// its page is prefetched as pack_rows does (without it the K loads stalled and shape P128
-// took 1.3x the fp32 path's time).
+// the decode's K and V rows staged for AMX tiles. The row kPrefetchRows ahead of each, where
+// it lies in the same page, is prefetched as pack_rows does (without it the K loads stalled
+// and shape P128 took 1.3x the fp32 path's time).
 template <DType T, DType TK>
 void AttentionTask<T, TK>::convert_fp8_rows(const KvRows<EK>& rows, int64_t col_stride, int64_t cols, int64_t j0,
                                             int64_t n, int64_t width, uint16_t* dst) const {
