@@ -175,22 +175,20 @@ void AttentionTask<T, TK>::pack_qt(const RowBlock& rb, const Workspace& w) const
   transpose_matrix(w.k, lds, plan_.rows_pad, lds, w.qt, plan_.rows_pad);
 }
 
-// bf16 or fp8 V rows j0 .. j0+n-1 as bf16 rows [n][Dv] (an fp8 cache's converted exactly),
-// any element stride.
+// bf16 or fp8 V rows j0 .. j0+n-1 as bf16 rows [n][Dv] (an fp8 cache's converted exactly,
+// convert_fp8_rows), any element stride.
 template <DType T, DType TK>
 void AttentionTask<T, TK>::stage_bf16_rows(const KvRows<EK>& vrows, int64_t j0, int64_t n, uint16_t* rows) const {
   const int64_t col_stride = p_.v_stride[3];
-  auto each_row = [&](auto&& copy) {
-    vrows.for_each_run(j0, n, [&](const EK* src, int64_t first, int64_t count) {
-      for (int64_t j = 0; j < count; ++j) copy(src + j * vrows.stride, rows + (first + j) * p_.Dv);
-    });
-  };
   if constexpr (sizeof(EK) == 1) {
-    const Fp8ToBf16<TK> convert;
-    each_row([&](const EK* row, uint16_t* dst) { convert.row(row, col_stride, p_.Dv, dst); });
+    convert_fp8_rows(vrows, col_stride, p_.Dv, j0, n, p_.Dv, rows);
   } else {
-    each_row([&](const EK* row, uint16_t* dst) {
-      for (int64_t d = 0; d < p_.Dv; ++d) std::memcpy(dst + d, row + d * col_stride, sizeof(uint16_t));
+    vrows.for_each_run(j0, n, [&](const EK* src, int64_t first, int64_t count) {
+      for (int64_t j = 0; j < count; ++j) {
+        const EK* row = src + j * vrows.stride;
+        uint16_t* dst = rows + (first + j) * p_.Dv;
+        for (int64_t d = 0; d < p_.Dv; ++d) std::memcpy(dst + d, row + d * col_stride, sizeof(uint16_t));
+      }
     });
   }
 }
