@@ -74,7 +74,11 @@ static_assert(kTileRowBlock % (2 * kSlabPairs) == 0, "query blocks start on slab
 static_assert(kScoreRows % 2 == 0, "S and dP chunks start on row pairs");
 // Row pairs of P and dS held: a row block's, up to whole tiles of pairs.
 constexpr int64_t kPairRows = (kMaxRowBlock / 2 + kSlabPairs - 1) / kSlabPairs * kSlabPairs;
-constexpr int64_t kMinTasks = 16;  // fewer (batch, kv head) pairs than this: split the keys
+// Fewer (batch, kv head) pairs than this: split the keys. Each split adds partial dQ rows
+// that a pass sums, so splits cost; 8 keeps two threads busy with four tasks each (shape A's
+// 8 pairs run unsplit: bf16 0.96-0.98x the time of 16 tasks at 1 and 2 threads on X7). A
+// constant, not the thread count: the splits fix dQ's summation order.
+constexpr int64_t kMinTasks = 8;
 #if defined(ATTNKIT_ISA_avx512bf16)
 constexpr bool kDotProducts = true;  // vdpbf16ps
 #else

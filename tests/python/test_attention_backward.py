@@ -590,8 +590,8 @@ def test_modifiers_random(dtype, seed):
 
 @pytest.mark.parametrize("B,H,Sq,Skv,causal,window", [
     (2, 8, 800, 800, True, None),                 # one key split, three pairs of key blocks
-    (1, 8, 1200, 1100, "bottom_right", None),     # two splits of two pairs; rows 0-99 see no key
-    (1, 8, 1100, 1100, False, (200, 30)),         # a window: each pair sees a band of rows
+    (1, 4, 1200, 1100, "bottom_right", None),     # two splits of a pair and a block; rows 0-99 see no key
+    (1, 4, 1100, 1100, False, (200, 30)),         # a window: each pair sees a band of rows
 ])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_long_keys_several_key_blocks_per_task(rng, dtype, B, H, Sq, Skv, causal, window):
