@@ -190,7 +190,7 @@ class SparseMlaTask {
 #else  // Sᵀ = KV · Qᵀ
       gemm<kTallRows, kTallVecs>(bc, ld, p_.d_qk, scratch, plan_.d_pad, 1, qt, ld, st, ld, false);
 #endif
-      if (!fused_pairs) online_softmax_tile(st, bc, ld, ld, m, l, alpha);
+      if (!fused_pairs) online_softmax_tile(st, bc, ld, ld, m, l, alpha, p_.max_logits != nullptr);
       for (int64_t r = 0; r < nh; ++r) {
         if (alpha[r] != 1.0f) scale_row(o + r * plan_.dv_pad, plan_.dv_pad, alpha[r]);
       }

@@ -548,6 +548,8 @@ ISA_TEST(Dot, GroupRowsLayout) {
 
 // Two tiles of transposed scores (keys × rows) folded one after the other give each row's
 // exact softmax statistics, and the first tile's P rescaled by alpha matches the final max.
+// With the lazy max (the default) m is a reference within the slack below the true max, and
+// l and P are relative to it; row 4's max moves past the slack in tile 2, row 5's stays within.
 ISA_TEST(OnlineSoftmax, TwoTilesEqualOneSoftmax) {
   SKIP_UNLESS_RUNNABLE();
   const int64_t rows = 2 * kLanes, ld = rows + kLanes, keys = 13;
@@ -558,26 +560,43 @@ ISA_TEST(OnlineSoftmax, TwoTilesEqualOneSoftmax) {
   s[5 * ld + 1] = -INFINITY;                                   // one masked key of row 1
   for (int64_t j = 0; j < 2 * keys; ++j) s[j * ld + 2] = -INFINITY;  // row 2 sees nothing
   for (int64_t j = 0; j < keys; ++j) s[j * ld + 3] = -INFINITY;      // row 3 only in tile 2
-  std::vector<float> t = s, m(rows, -INFINITY), l(rows, 0.0f), alpha(rows);
-  online_softmax_tile(t.data(), keys, ld, rows, m.data(), l.data(), alpha.data());
-  online_softmax_tile(t.data() + keys * ld, keys, ld, rows, m.data(), l.data(), alpha.data());
-  for (int64_t r = 0; r < rows; ++r) {
-    double mx = -INFINITY, sum = 0.0;
-    for (int64_t j = 0; j < 2 * keys; ++j) mx = std::max(mx, double(s[j * ld + r]));
-    if (r == 2) {
-      EXPECT_EQ(m[r], -INFINITY);
-      EXPECT_EQ(l[r], 0.0f);
-      for (int64_t j = 0; j < 2 * keys; ++j) EXPECT_EQ(t[j * ld + r], 0.0f);
-      continue;
-    }
-    for (int64_t j = 0; j < 2 * keys; ++j) sum += std::exp(double(s[j * ld + r]) - mx);
-    EXPECT_EQ(m[r], float(mx)) << r;
-    EXPECT_NEAR(l[r], sum, 1e-5 * sum) << r;
-    for (int64_t j = 0; j < keys; ++j) {
-      EXPECT_NEAR(t[j * ld + r] * alpha[r], std::exp(double(s[j * ld + r]) - mx), 1e-6) << r;
-    }
+  s[(keys + 4) * ld + 4] = 30.0f;                                     // row 4: far past the slack
+  s[(keys + 4) * ld + 5] = s[ld + 5] + 0.5f * kLazyMaxSlack;         // row 5: within it
+  for (int64_t j = 0; j < 2 * keys; ++j) {
+    if (j != 1 && j != keys + 4) s[j * ld + 5] = std::min(s[j * ld + 5], s[ld + 5]);
   }
-  EXPECT_EQ(t[5 * ld + 1], 0.0f);
+  for (bool exact_max : {true, false}) {
+    std::vector<float> t = s, m(rows, -INFINITY), l(rows, 0.0f), alpha(rows);
+    online_softmax_tile(t.data(), keys, ld, rows, m.data(), l.data(), alpha.data(), exact_max);
+    const std::vector<float> m_first = m;
+    online_softmax_tile(t.data() + keys * ld, keys, ld, rows, m.data(), l.data(), alpha.data(), exact_max);
+    for (int64_t r = 0; r < rows; ++r) {
+      double mx = -INFINITY, sum = 0.0;
+      for (int64_t j = 0; j < 2 * keys; ++j) mx = std::max(mx, double(s[j * ld + r]));
+      if (r == 2) {
+        EXPECT_EQ(m[r], -INFINITY);
+        EXPECT_EQ(l[r], 0.0f);
+        for (int64_t j = 0; j < 2 * keys; ++j) EXPECT_EQ(t[j * ld + r], 0.0f);
+        continue;
+      }
+      if (exact_max || r == 4) {
+        EXPECT_EQ(m[r], float(mx)) << r;
+      } else {
+        EXPECT_LE(m[r], float(mx)) << r;
+        EXPECT_GE(m[r], float(mx) - kLazyMaxSlack) << r;
+      }
+      if (!exact_max && r == 5) {
+        EXPECT_EQ(m[r], m_first[r]) << r;  // kept: no rescale
+      }
+      for (int64_t j = 0; j < 2 * keys; ++j) sum += std::exp(double(s[j * ld + r]) - m[r]);
+      EXPECT_NEAR(l[r], sum, 1e-5 * sum) << r;
+      for (int64_t j = 0; j < keys; ++j) {
+        const double want = std::exp(double(s[j * ld + r]) - m[r]);
+        EXPECT_NEAR(t[j * ld + r] * alpha[r], want, 1e-6 * std::max(1.0, want)) << r;
+      }
+    }
+    EXPECT_EQ(t[5 * ld + 1], 0.0f);
+  }
 }
 
 // The bf16-pairs form of the tile update against the separate passes it replaces (Sᵀ *=
@@ -606,7 +625,7 @@ ISA_TEST(OnlineSoftmax, Bf16PairsMatchSeparatePasses) {
         std::vector<float> mb = ma;
         for (auto& x : a) x *= scale;
         if (exact_max) {
-          online_softmax_tile(a.data(), keys, ld, rows, ma.data(), la.data(), aa.data());
+          online_softmax_tile(a.data(), keys, ld, rows, ma.data(), la.data(), aa.data(), true);
         } else {
           online_softmax_tile_of<false, true>(a.data(), keys, ld, rows, 1.0f, ma.data(), la.data(), aa.data());
         }
@@ -742,7 +761,7 @@ ISA_TEST(OnlineSoftmax, RowsAgreeWithTransposedTile) {
   std::vector<float> m(ldt, -INFINITY), l(ldt, 0.0f), alpha(ldt), mt = m, lt = l, alphat = alpha;
   for (int tile = 0; tile < 2; ++tile) {
     online_softmax_rows(s.data() + tile * kKeys, kKeys, ld, rows, m.data(), l.data(), alpha.data());
-    online_softmax_tile(st.data() + tile * kKeys * ldt, kKeys, ldt, ldt, mt.data(), lt.data(), alphat.data());
+    online_softmax_tile(st.data() + tile * kKeys * ldt, kKeys, ldt, ldt, mt.data(), lt.data(), alphat.data(), true);
     for (int64_t r = 0; r < rows; ++r) {
       EXPECT_EQ(m[r], mt[r]) << "tile " << tile << " row " << r;
       EXPECT_NEAR(l[r], lt[r], 1e-6 * lt[r]) << "tile " << tile << " row " << r;

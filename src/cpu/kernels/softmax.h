@@ -37,7 +37,8 @@ inline constexpr float kLog2e = 1.4426950408889634f;
 // largest P is no longer exactly 1, so it rounds like the others (measured on causal bf16
 // rows with peaked scores: rms error +10%, max error up to +45%, within bf16's tolerance).
 // m stays the reference the sums and outputs are relative to, so lse, sinks and split
-// merges are unchanged.
+// merges are unchanged. Sums and outputs may reach 256× their exact-max values, so only V
+// entries within 2^8 of the float range (beyond ~1e36) could overflow where they would not.
 inline constexpr float kLazyMaxSlack = 5.545177444479562f;  // ln 256
 // The largest |m| the bf16 pairs form folds into one FMA: its reference's rounding moves a
 // row's exponents by at most 2^10 · 2^-24 · log2 e ≈ 1e-4 there (P by 0.006%).
@@ -133,9 +134,12 @@ inline void online_softmax_tile_of(float* st, int64_t n_keys, int64_t ld, int64_
       return online_softmax_rows_of<1, kBf16Pairs, kLazyMax>(st + r, n_keys, ld, scale, m + r, l + r, alpha + r);
   }
 }
+// With the lazy max unless the caller needs m to be the true running max (exact_max: sparse
+// MLA's max_logits); in fp32 a largest P of up to 256 instead of 1 costs no precision.
 inline void online_softmax_tile(float* st, int64_t n_keys, int64_t ld, int64_t n_rows, float* m, float* l,
-                                float* alpha) {
-  online_softmax_tile_of<false>(st, n_keys, ld, n_rows, 1.0f, m, l, alpha);
+                                float* alpha, bool exact_max = false) {
+  if (exact_max) return online_softmax_tile_of<false>(st, n_keys, ld, n_rows, 1.0f, m, l, alpha);
+  online_softmax_tile_of<false, true>(st, n_keys, ld, n_rows, 1.0f, m, l, alpha);
 }
 // The kBf16Pairs form: st holds unscaled scores, scale > 0 and finite; P as bf16 pairs of keys,
 // with the lazy max (the output's rescale is skipped for almost every tile: 4-5% of the bf16
