@@ -181,6 +181,7 @@ AttentionParams detail::attention_params(const AttentionArgs& a) {
   detail::check_score_mods({a.window_left, a.window_right, a.softcap, a.alibi_slopes, a.sinks}, B, Hq, Sq + Skv,
                            a.out, a.lse, p);
 
+  p.l2_read_ahead = detail::l2_read_ahead();
   return p;
 }
 

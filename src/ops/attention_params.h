@@ -56,6 +56,11 @@ struct AttentionParams {
   const float* k_scale = nullptr;
   const float* v_scale = nullptr;
   int64_t k_scale_stride = 0, v_scale_stride = 0;
+
+  // Decode over grouped kv heads reads the block after next into L2, share by share, rather
+  // than the next block by loads or L1 prefetches: the machine's rule (detail::l2_read_ahead).
+  // Timing only; results never depend on it.
+  bool l2_read_ahead = false;
 };
 
 namespace detail {

@@ -175,6 +175,7 @@ void varlen_attention(const VarlenAttentionArgs& a) {
 
   AttentionParams p{};
   p.dtype = p.kv_dtype = a.q.dtype;
+  p.l2_read_ahead = detail::l2_read_ahead();
   p.q = a.q.data, p.k = a.k.data, p.v = a.v.data, p.out = a.out.data;
   packed_strides(a.q, p.q_stride);
   packed_strides(a.k, p.k_stride);
@@ -294,6 +295,7 @@ void paged_attention(const PagedAttentionArgs& a) {
   AttentionParams p{};
   p.dtype = dt;
   p.kv_dtype = cache;
+  p.l2_read_ahead = detail::l2_read_ahead();
   p.q = a.q.data, p.k = a.k_cache.data, p.v = a.v_cache.data, p.out = a.out.data;
   packed_strides(a.q, p.q_stride);
   packed_strides(a.out, p.out_stride);

@@ -23,7 +23,8 @@ print(attnkit.get_num_threads(), attnkit.get_isa())
 
 
 def probe(**env):
-    full_env = {k: v for k, v in os.environ.items() if k not in ("ATTNKIT_NUM_THREADS", "ATTNKIT_ISA")}
+    full_env = {k: v for k, v in os.environ.items()
+                if k not in ("ATTNKIT_NUM_THREADS", "ATTNKIT_ISA", "ATTNKIT_READ_AHEAD")}
     full_env.update(env)
     r = subprocess.run([sys.executable, "-c", PROBE], env=full_env, capture_output=True, text=True,
                        timeout=120, cwd="/")
@@ -72,3 +73,17 @@ def test_unknown_isa_warns_once_and_uses_the_best(value, defaults):
 def test_good_isa_is_taken_silently(isa):
     _, got, err = probe(ATTNKIT_ISA=isa)
     assert got == isa and err == ""
+
+
+@pytest.mark.parametrize("value", ["l3", "L2", " "])
+def test_bad_read_ahead_warns_once_and_uses_the_rule(value, defaults):
+    threads, isa, err = probe(ATTNKIT_READ_AHEAD=value)
+    assert (threads, isa) == defaults
+    assert err.count("ATTNKIT_READ_AHEAD") == 1, err
+    assert f'ATTNKIT_READ_AHEAD="{value}"' in err and "l2 or next" in err, err
+    assert "using l2" in err or "using next" in err, err
+
+
+@pytest.mark.parametrize("value", ["l2", "next", ""])
+def test_good_read_ahead_is_taken_silently(value, defaults):
+    assert probe(ATTNKIT_READ_AHEAD=value) == (*defaults, "")

@@ -119,16 +119,22 @@ float* AttentionTask<T, TK>::scores_t(const Workspace& w, int64_t slot) const {
 // caches, packed K/V): each key block for every head in turn, so the block's rows of all
 // heads are read together rather than each head's with a stride of Hkv rows; each head
 // keeps its state in w.head(i). The heads' visits to a block are not in address order,
-// which the hardware prefetchers do not follow, so before them the next block's K and V
-// rows of all the task's heads are asked for in address order, one per cache line: by
-// loads or by software prefetches into L1, whichever the task times faster (TimedChoice).
-// On Zen 5 (16 sequences of 2048-4096 keys, 8 kv heads) the loads took 10-30% less time
-// than prefetching the block two ahead a share at each head's turn (the scheme before,
-// which measured best on Zen 4) for bf16 caches of block size 16 and 128, 5-20% for fp8 at
-// 16, the same for fp8 at 128; the same share-wise with loads, or prefetches of the whole
-// block at once, measured no faster than no prefetch at all (a pure read of those blocks in
-// the heads' order ran at 19 GB/s, in address order at 28, one thread). On the Xeon with
-// AMX (X7) the timed choice took 2-6% less time than the loads alone at the same shapes.
+// which the hardware prefetchers do not follow, so the task reads ahead in address order,
+// one request per cache line, in one of two ways:
+//  - p.l2_read_ahead (the machine's rule, core/dispatch.cpp: AMD Zen 4): the block after
+//    next by software prefetches into L2, a share of its keys at each head's turn. On Zen 4
+//    (16 sequences of 2102-3902 keys, 8 kv heads, block size 16 and 128, bf16 and fp8
+//    caches) 0.60-0.84 of the time of the other way at one thread, 0.66-0.84 at two (fp8 at
+//    block size 128: the same). On Zen 5 the other way took 10-30% less time (bf16 at block
+//    size 16 and 128, fp8 at 16; fp8 at 128 the same). Timing the two ways on runs of blocks
+//    within a task (TimedChoice) picked the wrong one on Zen 4, and its trials cost more
+//    than the choice gained.
+//  - else the next block's K and V rows of all heads, before the heads' visits: by loads or
+//    by software prefetches into L1, whichever the task times faster (TimedChoice); on the
+//    Xeon with AMX (X7) 2-6% less time than the loads alone. Prefetching the whole block at
+//    once, or share-wise with loads, measured no faster than no read-ahead (Zen 5); a pure
+//    read of those blocks in the heads' order ran at 19 GB/s, in address order at 28 (Zen 5,
+//    one thread).
 template <DType T, DType TK>
 void AttentionTask<T, TK>::attend_kv_heads(const RowBlock* rbs, int64_t kv_heads, int64_t begin, int64_t end,
                                            const Workspace& w) const {
@@ -142,7 +148,7 @@ void AttentionTask<T, TK>::attend_kv_heads(const RowBlock* rbs, int64_t kv_heads
   const int64_t v_span = (vrows[kv_heads - 1].base - vrows[0].base + p_.Dv) * int64_t{sizeof(EK)};
   for (const bool v_apart : {false, true}) {
     for (int64_t i = 0; i < kv_heads; ++i) start_rows(rbs[i], w.head(i));
-    TimedChoice loads;  // the next block's lines by loads, or by prefetches into L1
+    TimedChoice loads;  // without p.l2_read_ahead: the next block by loads, or by prefetches into L1
     touch_key_block(krows[0], vrows[0], k_span, v_span, begin, end, true);
     const bool ahead = rbs[0].mode->amx_tiles;  // every head's row block has the same rows
     // An fp8 cache on AMX tiles: each step's K and V rows converted to bf16 a step before its
@@ -168,8 +174,12 @@ void AttentionTask<T, TK>::attend_kv_heads(const RowBlock* rbs, int64_t kv_heads
     int64_t step = 0;  // (key block, head) in the order they run
     for (int64_t j0 = begin; j0 < end; j0 += kDecodeKeys) {
       const int64_t block = (j0 - begin) / kDecodeKeys;
-      touch_key_block(krows[0], vrows[0], k_span, v_span, j0 + kDecodeKeys, end, loads.first(block));
+      if (!p_.l2_read_ahead) touch_key_block(krows[0], vrows[0], k_span, v_span, j0 + kDecodeKeys, end, loads.first(block));
       for (int64_t i = 0; i < kv_heads; ++i, ++step) {
+        if (p_.l2_read_ahead) {  // (the first block, loaded above; the second with it)
+          prefetch_share(krows[0], vrows[0], k_span, v_span, j0 + 2 * kDecodeKeys, end, i, kv_heads);
+          if (block == 0) prefetch_share(krows[0], vrows[0], k_span, v_span, j0 + kDecodeKeys, end, i, kv_heads);
+        }
         if (ahead) {
           const bool last = i + 1 == kv_heads;
           const int64_t next = last ? 0 : i + 1;
@@ -205,6 +215,19 @@ void AttentionTask<T, TK>::touch_key_block(const KvRows<EK>& krows, const KvRows
   for (int64_t j = j0; j < j1; ++j) sum += touch_lines(krows.row(j), k_span);
   for (int64_t j = j0; j < j1; ++j) sum += touch_lines(vrows.row(j), v_span);
   asm volatile("" : : "r"(sum));  // keeps the loads
+}
+
+// Decode over several kv heads: share i of kv_heads of the K and V rows of the key block from
+// j0 (the keys before `end`), k_span / v_span bytes each (as touch_key_block), by software
+// prefetches into L2.
+template <DType T, DType TK>
+void AttentionTask<T, TK>::prefetch_share(const KvRows<EK>& krows, const KvRows<EK>& vrows, int64_t k_span,
+                                          int64_t v_span, int64_t j0, int64_t end, int64_t i, int64_t kv_heads) {
+  const int64_t keys = std::clamp<int64_t>(end - j0, 0, kDecodeKeys);
+  for (int64_t j = j0 + i * keys / kv_heads; j < j0 + (i + 1) * keys / kv_heads; ++j) {
+    prefetch_bytes(krows.row(j), 0, k_span, Cache::l2);
+    prefetch_bytes(vrows.row(j), 0, v_span, Cache::l2);
+  }
 }
 
 // Rows j0 .. j0+n-1 of an fp8 cache's `rows` (cols values, col_stride apart) converted

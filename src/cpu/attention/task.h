@@ -232,6 +232,8 @@ class AttentionTask {
   static void prefetch_rows(const KvRows<EK>& rows, int64_t first, int64_t end, int64_t cols);
   static void touch_key_block(const KvRows<EK>& krows, const KvRows<EK>& vrows, int64_t k_span, int64_t v_span,
                               int64_t j0, int64_t end, bool loads);
+  static void prefetch_share(const KvRows<EK>& krows, const KvRows<EK>& vrows, int64_t k_span, int64_t v_span,
+                             int64_t j0, int64_t end, int64_t i, int64_t kv_heads);
   void qk_key_block(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t n, float* s, int64_t lds,
                     const Workspace& w) const;
   void pack_q_rows(const RowBlock& rb, const Workspace& w) const;
