@@ -72,7 +72,7 @@ std::string describe(const CpuId& id) {
 bool bf16_dot_slower_than_fma(const CpuId& id) { return id.vendor == "GenuineIntel" && id.family == 6; }
 
 // The read-ahead rule (decode.h, attend_kv_heads): on AMD Zen 4 (family 25) decode over
-// grouped kv heads ran in 0.60-0.84 of the time reading the block after next into L2 share by
+// grouped kv heads ran in 0.64-0.86 of the time reading the block after next into L2 share by
 // share; on Zen 5 (family 26) and the Xeons reading the next block was as fast or faster.
 bool zen4_read_ahead(const CpuId& id) { return id.vendor == "AuthenticAMD" && id.family == 25; }
 

@@ -124,11 +124,10 @@ float* AttentionTask<T, TK>::scores_t(const Workspace& w, int64_t slot) const {
 //  - p.l2_read_ahead (the machine's rule, core/dispatch.cpp: AMD Zen 4): the block after
 //    next by software prefetches into L2, a share of its keys at each head's turn. On Zen 4
 //    (16 sequences of 2102-3902 keys, 8 kv heads, block size 16 and 128, bf16 and fp8
-//    caches) 0.60-0.84 of the time of the other way at one thread, 0.66-0.84 at two (fp8 at
-//    block size 128: the same). On Zen 5 the other way took 10-30% less time (bf16 at block
-//    size 16 and 128, fp8 at 16; fp8 at 128 the same). Timing the two ways on runs of blocks
-//    within a task (TimedChoice) picked the wrong one on Zen 4, and its trials cost more
-//    than the choice gained.
+//    caches) 0.64-0.86 of the time of the other way at one thread, 0.72-0.86 at two. On
+//    Zen 5 the other way took 10-30% less time (bf16 at block size 16 and 128, fp8 at 16;
+//    fp8 at 128 the same). Timing the two ways on runs of blocks within a task (TimedChoice)
+//    picked the wrong one on Zen 4, and its trials cost more than the choice gained.
 //  - else the next block's K and V rows of all heads, before the heads' visits: by loads or
 //    by software prefetches into L1, whichever the task times faster (TimedChoice); on the
 //    Xeon with AMX (X7) 2-6% less time than the loads alone. Prefetching the whole block at
