@@ -36,9 +36,10 @@ def sage_attention(q, k, v, *, causal=False, scale=None, layout="BHSD", mode="in
       pass over K per call; Q is quantised inside the kernel.
     mode "int8_pv_int8" — mode "int8" with P·V on int8 too, the CPU counterpart of
     SageAttention2's quantised P·V (sageattn_qk_int8_pv_fp8: there P and V are fp8 on the
-    GPU; here u8 × s8 for vpdpbusd). Not yet a speed option: on the Zen 5 it measured
-    1.3-1.4× slower than mode "int8" and about as fast as exact bf16 attention (its P
-    quantisation passes cost what the integer P·V saves; BENCHMARKS.md):
+    GPU; here u8 × s8 for vpdpbusd). On a Zen 4 it takes 0.82-0.88× the time of mode "int8"
+    and runs 1.4× faster than exact bf16 attention (BENCHMARKS.md; short of the 2× aimed
+    at: its products run near vpdpbusd's peak, its softmax and quantisation passes do not
+    shrink with them):
     - V is smoothed by subtracting its per-(batch, kv head, channel) mean over tokens (added
       back exactly after the normalisation: Σ p (v - mean) / l + mean = Σ p v / l), then
       quantised to int8 per channel (scale max|v - mean| / 127), once per call.
