@@ -68,9 +68,12 @@ inline void dot_tile_sums(int64_t k, const uint32_t* a, int64_t lda, int64_t a_s
   }
 }
 
+// Never inlined: inside gemm_u8s8_rescale_tile GCC 12 spilled its accumulators on every
+// step of the k loop.
 template <class Dot, int MR, int NV>
-[[gnu::noinline]] void gemm_dot_tile(int64_t k, const uint32_t* a, int64_t lda, int64_t a_step, const uint32_t* b, int64_t ldb,
-                   typename Dot::Out* c, int64_t ldc, bool accumulate) {
+[[gnu::noinline]] void gemm_dot_tile(int64_t k, const uint32_t* a, int64_t lda, int64_t a_step,
+                                     const uint32_t* b, int64_t ldb, typename Dot::Out* c, int64_t ldc,
+                                     bool accumulate) {
   typename Dot::Acc acc[MR][NV];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
