@@ -115,6 +115,23 @@ float* AttentionTask<T, TK>::scores_t(const Workspace& w, int64_t slot) const {
   return w.v + kDecodeKeys * plan_.dv_pad + slot * kDecodeKeys * kMaxDotRows;
 }
 
+// Share `share` of `shares` of the K and V rows of the key block from j0 (attend_kv_heads),
+// prefetched into L2 in kParts parts over one head's visit to a block: before it and after its
+// Q·Kᵀ. All at once, the prefetches filled the miss queues and the visit's compute waited
+// behind them (Zen 4, one thread: 19-22% of the samples on prefetch instructions); in two
+// parts paged decode took 0.72-0.75 of the time (bf16, block size 16 and 128; 0.81-0.85 at
+// two threads).
+template <DType T, DType TK>
+struct AttentionTask<T, TK>::ReadAhead {
+  static constexpr int kParts = 2;
+  const KvRows<EK>& krows;
+  const KvRows<EK>& vrows;
+  int64_t k_span, v_span, j0, end, share, shares;
+  void part(int k) const {
+    prefetch_share(krows, vrows, k_span, v_span, j0, end, kParts * share + k, kParts * shares);
+  }
+};
+
 // Decode over the row blocks of several kv heads whose K/V rows lie side by side (paged
 // caches, packed K/V): each key block for every head in turn, so the block's rows of all
 // heads are read together rather than each head's with a stride of Hkv rows; each head
@@ -122,7 +139,8 @@ float* AttentionTask<T, TK>::scores_t(const Workspace& w, int64_t slot) const {
 // which the hardware prefetchers do not follow, so the task reads ahead in address order,
 // one request per cache line, in one of two ways:
 //  - p.l2_read_ahead (the machine's rule, core/dispatch.cpp: AMD Zen 4): the block after
-//    next by software prefetches into L2, a share of its keys at each head's turn. On Zen 4
+//    next by software prefetches into L2, a share of its keys at each head's turn, spread
+//    over the turn (ReadAhead). On Zen 4
 //    (16 sequences of 2102-3902 keys, 8 kv heads, block size 16 and 128, bf16 and fp8
 //    caches) 0.64-0.86 of the time of the other way at one thread, 0.72-0.86 at two. On
 //    Zen 5 the other way took 10-30% less time (bf16 at block size 16 and 128, fp8 at 16;
@@ -175,10 +193,11 @@ void AttentionTask<T, TK>::attend_kv_heads(const RowBlock* rbs, int64_t kv_heads
       const int64_t block = (j0 - begin) / kDecodeKeys;
       if (!p_.l2_read_ahead) touch_key_block(krows[0], vrows[0], k_span, v_span, j0 + kDecodeKeys, end, loads.first(block));
       for (int64_t i = 0; i < kv_heads; ++i, ++step) {
-        if (p_.l2_read_ahead) {  // (the first block, loaded above; the second with it)
-          prefetch_share(krows[0], vrows[0], k_span, v_span, j0 + 2 * kDecodeKeys, end, i, kv_heads);
-          if (block == 0) prefetch_share(krows[0], vrows[0], k_span, v_span, j0 + kDecodeKeys, end, i, kv_heads);
+        // (the first block, loaded above; the second with it)
+        if (p_.l2_read_ahead && block == 0) {
+          prefetch_share(krows[0], vrows[0], k_span, v_span, j0 + kDecodeKeys, end, i, kv_heads);
         }
+        const ReadAhead read_ahead{krows[0], vrows[0], k_span, v_span, j0 + 2 * kDecodeKeys, end, i, kv_heads};
         if (ahead) {
           const bool last = i + 1 == kv_heads;
           const int64_t next = last ? 0 : i + 1;
@@ -187,7 +206,8 @@ void AttentionTask<T, TK>::attend_kv_heads(const RowBlock* rbs, int64_t kv_heads
           stage(step + 2, true);
         }
         attend_key_block(rbs[i], krows[i], vrows[i], j0, end, false, v_apart, w.head(i),
-                         ahead ? scores_t(w, step % 2) : nullptr, staged ? v_slot(step) : nullptr);
+                         ahead ? scores_t(w, step % 2) : nullptr, staged ? v_slot(step) : nullptr,
+                         p_.l2_read_ahead ? &read_ahead : nullptr);
         stage(step + 1, false);
       }
       loads.done(block);
@@ -269,7 +289,7 @@ template <DType T, DType TK>
 void AttentionTask<T, TK>::attend_key_block(const RowBlock& rb, const KvRows<EK>& krows, const KvRows<EK>& vrows,
                                             int64_t j0, int64_t end, bool prefetch, bool v_apart,
                                             const Workspace& w, const float* st_t,
-                                            const uint16_t* v_staged) const {
+                                            const uint16_t* v_staged, const ReadAhead* read_ahead) const {
   const int64_t ld = kDecodeKeys;
   const Scores scores{w.st, 1, ld};
   const int64_t bc = end - j0 < kDecodeKeys ? end - j0 : kDecodeKeys;
@@ -278,6 +298,7 @@ void AttentionTask<T, TK>::attend_key_block(const RowBlock& rb, const KvRows<EK>
   // each about half a block ahead of use (of the orders tried, the best across memory
   // states: the next block's K and V, two blocks ahead, part of each row, key by key).
   if (prefetch) prefetch_rows(vrows, j0, end, p_.Dv);
+  if (read_ahead) read_ahead->part(0);
   if (rb.mode->amx_tiles) {
     if constexpr (kAmxTiles) take_scores_amx(rb, st_t, w);
   } else {
@@ -285,6 +306,7 @@ void AttentionTask<T, TK>::attend_key_block(const RowBlock& rb, const KvRows<EK>
       qk_key_block(rb, krows, j0 + c, bc - c < kLanes ? bc - c : kLanes, w.st + c, ld, w);
     }
   }
+  if (read_ahead) read_ahead->part(1);
   apply_score_mods(rb, j0, bc, scores, w);  // before the padding: the soft-cap would lift its -inf
   for (int64_t r = 0; r < rb.rows; ++r) {   // keys past the block's end
     for (int64_t j = bc; j < width; ++j) w.st[r * ld + j] = -INFINITY;

@@ -221,9 +221,12 @@ class AttentionTask {
   // v_apart: on AMX tiles, V's even and odd columns staged apart (pv_rows_amx).
   // v_staged / k_staged: on AMX tiles over an fp8 cache, the block's V / K rows in bf16
   // (convert_fp8_rows), else null.
+  // read_ahead: over several kv heads with p.l2_read_ahead, this visit's share of a later
+  // block to prefetch into L2 (attend_kv_heads), else null.
+  struct ReadAhead;
   void attend_key_block(const RowBlock& rb, const KvRows<EK>& krows, const KvRows<EK>& vrows, int64_t j0,
                         int64_t end, bool prefetch, bool v_apart, const Workspace& w, const float* st_t,
-                        const uint16_t* v_staged) const;
+                        const uint16_t* v_staged, const ReadAhead* read_ahead = nullptr) const;
   void scores_ahead(const RowBlock& rb, const KvRows<EK>& krows, int64_t j0, int64_t end, const Workspace& w,
                     float* st_t, const uint16_t* k_staged) const;
   void convert_fp8_rows(const KvRows<EK>& rows, int64_t col_stride, int64_t cols, int64_t j0, int64_t n,
