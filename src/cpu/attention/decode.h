@@ -158,6 +158,7 @@ void AttentionTask<T, TK>::attend_kv_heads(const RowBlock* rbs, int64_t kv_heads
   KvRows<EK> krows[kDecodeKvHeads], vrows[kDecodeKvHeads];
   for (int64_t i = 0; i < kv_heads; ++i) {
     krows[i] = kv_rows(p_.k, p_.k_stride, rbs[i]), vrows[i] = kv_rows(p_.v, p_.v_stride, rbs[i]);
+    krows[i].read_ahead = vrows[i].read_ahead = p_.l2_read_ahead;
   }
   // Key j's K (V) rows of all the task's heads: this many bytes from the first head's (between
   // the first's and the last's; the heads share one block table, see Plan::group_kv_heads).
@@ -253,7 +254,10 @@ void AttentionTask<T, TK>::prefetch_share(const KvRows<EK>& krows, const KvRows<
 // exactly to bf16 rows of `width` values at dst, zero past cols: K as bf16 pairs along D, or
 // the decode's K and V rows staged for AMX tiles. The row kPrefetchRows ahead of each, where
 // it lies in the same page, is prefetched as pack_rows does (without it the K loads stalled
-// and shape P128 took 1.3x the fp32 path's time).
+// and shape P128 took 1.3x the fp32 path's time), unless the caller reads the rows ahead
+// into L2 (KvRows::read_ahead): on Zen 4 those prefetches into L1 then competed with the
+// read-ahead, and the loads here stalled on misses (without them P128 fp8 took 0.66-0.71 of
+// the time at one thread, 0.60-0.69 at two; P16 fp8 0.94-0.95).
 template <DType T, DType TK>
 void AttentionTask<T, TK>::convert_fp8_rows(const KvRows<EK>& rows, int64_t col_stride, int64_t cols, int64_t j0,
                                             int64_t n, int64_t width, uint16_t* dst) const {
@@ -261,7 +265,7 @@ void AttentionTask<T, TK>::convert_fp8_rows(const KvRows<EK>& rows, int64_t col_
     const Fp8ToBf16<TK> convert;
     rows.for_each_run(j0, n, [&](const EK* src, int64_t first, int64_t count) {
       for (int64_t j = first; j < first + count; ++j, src += rows.stride) {
-        if (rows.in_page(j0 + j, kPrefetchRows)) prefetch_bytes(src, kPrefetchRows * rows.stride, cols);
+        if (!rows.read_ahead && rows.in_page(j0 + j, kPrefetchRows)) prefetch_bytes(src, kPrefetchRows * rows.stride, cols);
         convert.row(src, col_stride, cols, dst + j * width);
         std::fill(dst + j * width + cols, dst + (j + 1) * width, uint16_t{0});
       }
