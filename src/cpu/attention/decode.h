@@ -118,9 +118,9 @@ float* AttentionTask<T, TK>::scores_t(const Workspace& w, int64_t slot) const {
 // Share `share` of `shares` of the K and V rows of the key block from j0 (attend_kv_heads),
 // prefetched into L2 in kParts parts over one head's visit to a block: before it and after its
 // Q·Kᵀ. All at once, the prefetches filled the miss queues and the visit's compute waited
-// behind them (Zen 4, one thread: 19-22% of the samples on prefetch instructions); in two
-// parts paged decode took 0.72-0.75 of the time (bf16, block size 16 and 128; 0.81-0.85 at
-// two threads).
+// behind them (Zen 4, one thread: a quarter of the decode's samples on the prefetch
+// instructions); in two parts paged decode took 0.72-0.73 of the time (bf16, block size 16
+// and 128; 0.81-0.85 at two threads).
 template <DType T, DType TK>
 struct AttentionTask<T, TK>::ReadAhead {
   static constexpr int kParts = 2;
