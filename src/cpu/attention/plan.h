@@ -415,8 +415,8 @@ struct KvRows {
   // log2(page_size) where it is a power of two (every engine's block size), else -1: row()
   // runs per key, and a 64-bit division there took ~8% of paged decode's time (Zen 5).
   int page_shift = -1;
-  // A caller reads these rows ahead into L2 (decode over kv heads, p.l2_read_ahead): the
-  // packers then ask for no row ahead themselves.
+  // A caller reads these rows ahead into L2 (decode over kv heads, p.l2_read_ahead): the fp8
+  // conversion (convert_fp8_rows) then asks for no row ahead itself.
   bool read_ahead = false;
 
   static KvRows paged(const E* base, int64_t stride, const int32_t* pages, int64_t page_size, int64_t page_stride) {
