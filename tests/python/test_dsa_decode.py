@@ -188,14 +188,16 @@ def test_sparse_torch_matches_numpy_and_threads():
     assert (out1.view(np.int16) == out.view(np.int16)).all() and np.array_equal(lse1, lse)
 
 
-@pytest.mark.parametrize("b,s_q,topk,tl", [(1, 1, 2048, False), (1, 2, 1536, True), (3, 1, 1100, True)])
-def test_split_kv_exact_and_thread_independent(b, s_q, topk, tl):
+@pytest.mark.parametrize("b,s_q,topk,tl,h_q", [(1, 1, 2048, False, 16), (1, 2, 1536, True, 16), (3, 1, 1100, True, 16),
+                                               (1, 1, 2048, True, 43)])
+def test_split_kv_exact_and_thread_independent(b, s_q, topk, tl, h_q):
     """Few query rows split their listed rows (split-KV, fixed ranges of 512+ rows) and merge
     the partials through their lse: within the reference tolerance, and bit-identical for
     any thread count (the cut depends on the shape only). topk_length leaves some splits
-    empty."""
-    rng = np.random.default_rng(hash((b, s_q, topk, tl)) % 2**32)
-    c = SparseCase(rng, b, s_q, 16, 2 * topk, topk, 64, sink=True, tl=tl)
+    empty. 43 heads: head blocks of 43 or 21 (3 threads) merged 16 heads at a time, the last
+    chunk of each block shorter."""
+    rng = np.random.default_rng(hash((b, s_q, topk, tl, h_q)) % 2**32)
+    c = SparseCase(rng, b, s_q, h_q, 2 * topk, topk, 64, sink=True, tl=tl)
     n = attnkit.get_num_threads()
     runs = []
     try:
