@@ -48,9 +48,11 @@ namespace {
 // the passes over the query rows' Q and dO (streamed from L3 per key block) against 96,
 // measured ~5-10% faster at shape A; the key block's state (~0.7 MiB) stays in L2.
 constexpr int64_t kKeyBlock = 192;
-constexpr int64_t kRowBlock = 96;  // bf16 pairs on vdpbf16ps
-// AMX tiles: dVᵀ and dKᵀ add a whole row block per load and store of their accumulator
-// tiles, so longer blocks spend less on them (X7, shape A, 1 thread: ~2.5% faster than 96).
+// Query rows per block on bf16 pairs: dV and dK add a whole row block per load and store of
+// their accumulators, so longer blocks spend less on them. vdpbf16ps (Z4, shape A, in one
+// process against 96: 0.97-0.98 of the time at 1 and 2 threads); AMX tiles (X7, shape A, 1
+// thread: ~2.5% faster than 96).
+constexpr int64_t kRowBlock = 192;
 constexpr int64_t kTileRowBlock = 192;
 // fp32 products take query blocks of 64 rows (their operands' share of L1 and L2 smaller):
 // X6, shape A, 1 thread ~3% faster than 96; bf16 pairs (AMX) ~5% slower at 64.
