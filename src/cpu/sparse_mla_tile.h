@@ -52,7 +52,7 @@ constexpr int64_t kWholeTile = 1;
 #endif
 // Gathered kv rows per tile: the more, the fewer loads and stores of P·V's accumulators (O,
 // 128 heads × 512 floats, from L2) per product. Off AMX, 128 against 64 on Zen 4 (sparse
-// decode, in one process): 0.94-0.99 of the time at batches 1, 8, 64 and 1 or 2 threads; 192
+// decode, in one process): 0.91-0.99 of the time at batches 1, 8, 64 and 1 or 2 threads; 192
 // the same as 128 (and 512-slot splits are no longer whole tiles).
 constexpr int64_t kSlotTile = kAmx ? 256 : 128;
 constexpr int64_t kHeadBlock = 128; // heads per task (all of DeepSeek-V3.2's per rank)
@@ -111,7 +111,7 @@ struct Plan {
     return rows_pad * std::max(kv_ld, kAmx ? kSlotTile / 2 : 0);
   }
   // Merge tasks per (query row, head block): kMergeHeads heads each, so that a batch of one
-  // query row merges on every thread (its one merge took 3-5% of the call at 2 threads).
+  // query row merges on every thread (at batch 1 its one merge took ~3% of the call at 2 threads).
   int64_t merge_chunks() const { return (head_block + kMergeHeads - 1) / kMergeHeads; }
   // Split-KV partials are kept per task, rows_pad rows each (AMX writes whole tiles of O).
   int64_t partial_rows(const SparseMlaParams& p) const { return splits > 1 ? p.s_q * splits * head_blocks * rows_pad : 0; }
