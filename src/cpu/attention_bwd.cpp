@@ -603,7 +603,7 @@ class Backward {
     }
     const int64_t nk_pad = round_up(nk, kLanes);
     const bool dropout = p_.dropout_p > 0.0f;
-    const bool plain = plan_.pairs && !dropout && !p_.sinks && p_.softcap == 0.0f && !p_.alibi_slopes && !p_.mask;
+    const bool plain = !dropout && !p_.sinks && p_.softcap == 0.0f && !p_.alibi_slopes && !p_.mask;
     // S, dP, P and dS kScoreRows rows at a time, so that the products' S and dP are still in
     // L1 when the vector code reads them.
     for (int64_t r0 = 0; r0 < nr; r0 += kScoreRows) {
@@ -738,9 +738,9 @@ class Backward {
     }
   }
 
-  // p_and_ds on bf16 pairs without modifiers, mask, dropout or sinks (f = 1), E made in the
-  // same pass from S (scores' one-pass case): per pair of rows, P = E and dS = E∘(dP - c)
-  // rounded into the three products' operands as p_and_ds writes them.
+  // scores and p_and_ds in one pass without modifiers, mask, dropout or sinks (f = 1): per
+  // pair of rows, P = E and dS = E∘(dP - c) from S and dP, rounded into the three products'
+  // operands as p_and_ds writes them on bf16 pairs, else over S and dP.
   void p_and_ds_plain(const PreparedHead& ph, int64_t i0, int64_t r_begin, int64_t r_end, int64_t j0, int64_t bc,
                       int64_t nk_pad, const ScoreRows& sr, const BackwardWorkspace& w) const {
     const vfloat scale_log2e = vbroadcast(p_.scale * kLog2e);
@@ -760,6 +760,13 @@ class Backward {
           e[k] = kMasked ? visible_exp(s, scale_log2e, neg_lse_log2e[k], key, lo[k], hi[k])
                          : vexp2(s * scale_log2e + neg_lse_log2e[k]);
           ds[k] = e[k] * (vload(sr.ds + at) - c[k]);
+        }
+        if (!plan_.pairs) {  // over S and dP
+          for (int k = 0; k < kRows; ++k) {
+            const int64_t at = (r - r_begin + k) * kKeyBlock + jj;
+            vstore(sr.e + at, e[k]), vstore(sr.ds + at, ds[k]);
+          }
+          continue;
         }
         const vuint p_pair = bf16_pairs(e[0], e[1]);
         const vuint ds_pair =
