@@ -58,16 +58,20 @@ class PagedRows {
     if (bf16) sparse_tile::copy_bf16_row(src, p_.dim_stride, p_.tile.d_qk, bf16);
   }
 
-  uint32_t touch(int64_t slot) const {
-    if (p_.v32_fp8) return touch_lines(static_cast<const uint8_t*>(p_.cache) + slot, kV32TokenBytes);
-    const int64_t elems = (p_.tile.d_qk - 1) * p_.dim_stride + 1;
-    return touch_lines(static_cast<const uint16_t*>(p_.cache) + slot, 2 * elems);
-  }
+  uint32_t touch(int64_t slot) const { return touch_lines(token(slot), token_bytes()); }
+  void prefetch(int64_t slot) const { prefetch_bytes(token(slot), 0, token_bytes(), Cache::l2); }
 
   const MlaDecodeParams& p_;
   int64_t capacity;
 
  private:
+  // A token's bytes in the cache (slot: its offset in the cache's elements, bytes or bf16).
+  const void* token(int64_t slot) const {
+    if (p_.v32_fp8) return static_cast<const uint8_t*>(p_.cache) + slot;
+    return static_cast<const uint16_t*>(p_.cache) + slot;
+  }
+  int64_t token_bytes() const { return p_.v32_fp8 ? kV32TokenBytes : 2 * ((p_.tile.d_qk - 1) * p_.dim_stride + 1); }
+
   int64_t offset(int64_t block, int64_t in_block) const { return block * p_.block_stride + in_block * p_.token_stride; }
 
   // 512 fp8 values times their tile's scale, rounded to bf16, then the 64 bf16 rope values.

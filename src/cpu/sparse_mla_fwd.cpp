@@ -21,6 +21,9 @@ struct FlatRows {
   int64_t capacity = p.topk;
   const Fp8ToBf16<DType::float8_e4m3fn> to_bf16{};  // built once per call (the fp8 rows')
 
+  const E* row(int32_t slot) const { return static_cast<const E*>(p.kv) + int64_t{slot} * p.kv_stride[0]; }
+  int64_t row_bytes() const { return int64_t{sizeof(E)} * ((p.d_qk - 1) * p.kv_stride[1] + 1); }
+
   const void* q_row(int64_t s) const { return static_cast<const E*>(p.q) + s * p.q_stride[0]; }
 
   // The row's valid slots in order: 0 <= idx < s_kv and t < topk_length[s]. Listing them
@@ -40,14 +43,12 @@ struct FlatRows {
     return n;
   }
 
-  uint32_t touch(int32_t slot) const {
-    const E* src = static_cast<const E*>(p.kv) + int64_t{slot} * p.kv_stride[0];
-    return touch_lines(src, int64_t{sizeof(E)} * ((p.d_qk - 1) * p.kv_stride[1] + 1));
-  }
+  uint32_t touch(int32_t slot) const { return touch_lines(row(slot), row_bytes()); }
+  void prefetch(int32_t slot) const { prefetch_bytes(row(slot), 0, row_bytes(), Cache::l2); }
 
   // fp32 rows (dst) without kBf16Dot, else bf16 rows only (bf16 copied, fp8 converted exactly).
   void load(int32_t slot, float* dst, uint16_t* bf16) const {
-    const E* src = static_cast<const E*>(p.kv) + int64_t{slot} * p.kv_stride[0];
+    const E* src = row(slot);
     if constexpr (!kBf16Dot) {
       load_row<T>(src, p.kv_stride[1], p.d_qk, 1.0f, dst);
     } else if constexpr (T == DType::bfloat16) {
