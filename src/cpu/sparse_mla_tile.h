@@ -312,8 +312,9 @@ class SparseMlaTask {
   // register tile of rows at a time, with the next tile's n_next rows prefetched into L2 a
   // share at a time between them. Spread over the product, the prefetches overlap it where
   // load_ahead's demand loads (which this replaces off AMX) stalled the core for them: Zen 4,
-  // in one process, sparse prefill (random rows, 256 query rows) 0.98 and 0.88 of the time in
-  // two noisy runs, sparse decode batch 8 0.98 (1 thread), batch 1 1.00 (2 threads).
+  // in one process, sparse prefill (random rows, 256 query rows) 0.95 of the time, sparse
+  // decode batch 8 0.98 (1 thread), batch 1 1.00 (2 threads, its split tasks' first tiles are
+  // still loaded ahead).
   void scores_reading_ahead(int64_t bc, const float* qt, const float* kv, const uint32_t* kv_pairs, float* st,
                             const Slot* next, int64_t n_next) const {
     const int64_t ld = plan_.rows_pad, chunks = (bc + kTallRows - 1) / kTallRows;
