@@ -70,7 +70,11 @@ class PagedRows {
     if (p_.v32_fp8) return static_cast<const uint8_t*>(p_.cache) + slot;
     return static_cast<const uint16_t*>(p_.cache) + slot;
   }
-  int64_t token_bytes() const { return p_.v32_fp8 ? kV32TokenBytes : 2 * ((p_.tile.d_qk - 1) * p_.dim_stride + 1); }
+  // The bytes read ahead per token: none where a bf16 cache's columns are strided (as FlatRows).
+  int64_t token_bytes() const {
+    if (p_.v32_fp8) return kV32TokenBytes;
+    return p_.dim_stride == 1 ? 2 * p_.tile.d_qk : 0;
+  }
 
   int64_t offset(int64_t block, int64_t in_block) const { return block * p_.block_stride + in_block * p_.token_stride; }
 

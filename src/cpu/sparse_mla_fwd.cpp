@@ -22,7 +22,10 @@ struct FlatRows {
   const Fp8ToBf16<DType::float8_e4m3fn> to_bf16{};  // built once per call (the fp8 rows')
 
   const E* row(int32_t slot) const { return static_cast<const E*>(p.kv) + int64_t{slot} * p.kv_stride[0]; }
-  int64_t row_bytes() const { return int64_t{sizeof(E)} * ((p.d_qk - 1) * p.kv_stride[1] + 1); }
+  // The bytes read ahead per row: its own where its columns are contiguous, else none (a
+  // strided row's span is mostly other rows' bytes: a column stride of s_kv made it s_kv
+  // times the row, read line by line per gathered row).
+  int64_t row_bytes() const { return p.kv_stride[1] == 1 ? int64_t{sizeof(E)} * p.d_qk : 0; }
 
   const void* q_row(int64_t s) const { return static_cast<const E*>(p.q) + s * p.q_stride[0]; }
 

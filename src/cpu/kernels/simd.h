@@ -279,6 +279,7 @@ inline void prefetch_bytes(const void* p, int64_t offset, int64_t n, Cache level
 // from memory where software prefetches (dropped, or not followed by the hardware
 // prefetchers) did not (see the sparse MLA tile's load_ahead and decode's attend_kv_heads).
 inline uint32_t touch_lines(const void* p, int64_t bytes) {
+  if (bytes <= 0) return 0;
   const uint8_t* b = static_cast<const uint8_t*>(p);
   uint32_t sum = 0;
   for (int64_t i = 0; i < bytes; i += 64) sum += b[i];
