@@ -1378,5 +1378,17 @@ ISA_TEST(GemmU8S8, MatchesIntegerReference) {
 }
 #endif
 
+// touch_lines: one byte of every 64-byte line and the last byte, summed; no bytes, no reads
+// (ASan builds flag a read before the buffer).
+ISA_TEST(TouchLines, OneBytePerLineAndNothingForNoBytes) {
+  SKIP_UNLESS_RUNNABLE();
+  std::vector<uint8_t> bytes(200);
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<uint8_t>(i * 7 + 3);
+  EXPECT_EQ(touch_lines(bytes.data(), 200), uint32_t{bytes[0]} + bytes[64] + bytes[128] + bytes[192] + bytes[199]);
+  EXPECT_EQ(touch_lines(bytes.data(), 1), 2u * bytes[0]);
+  std::vector<uint8_t> one(1, 5);
+  EXPECT_EQ(touch_lines(one.data(), 0), 0u);
+}
+
 }  // namespace
 }  // namespace attnkit::cpu::ATTNKIT_ISA
