@@ -59,8 +59,12 @@ constexpr int64_t kSlotTile = kAmx ? 256 : 128;
 constexpr int64_t kHeadBlock = 128; // heads per task (all of DeepSeek-V3.2's per rank)
 constexpr int64_t kTasksPerThread = 2;  // fewer (query, split, head block) tasks: smaller head blocks
 // Split-KV aims at this many (query row, split) pairs, each split at least kMinSplitSlots long
-// (each split re-packs Qᵀ and writes a partial O of h_q · d_v floats).
-constexpr int64_t kSplitTarget = 16;
+// (each split re-packs Qᵀ, stalls on its first tile's rows and writes a partial O of h_q · d_v
+// floats to merge). 4 against 16 (sparse decode, topk 2048, Zen 4, in one process): batch 2
+// (2 splits, not 4) 0.94 / 0.97 of the time at 1 / 2 threads, batch 4 (none, not 4) 0.91 /
+// 0.91, batch 8 (none, not 2) 0.97 / 0.94; batch 1 keeps 4 (2, with 64-head blocks for two
+// threads: 1.05 at 2 threads).
+constexpr int64_t kSplitTarget = 4;
 constexpr int64_t kMinSplitSlots = 512;
 constexpr int64_t kMergeHeads = 16;  // heads per split-KV merge task
 // On avx512bf16, Sᵀ = KV · Qᵀ runs on bf16 pairs with vdpbf16ps: bf16 and fp8 values are
