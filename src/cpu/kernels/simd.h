@@ -250,15 +250,17 @@ inline void transpose_matrix(const float* src, int64_t lds, int64_t rows, int64_
 }
 
 // Asks the caches for bytes [offset, offset + n) of the object at p, one prefetch per 64-byte
-// line, into L1 or only as far as L2. Prefetches never fault, so the range may lie past the
-// end of an array; the address is formed in integers for that reason. On x86 they are asm
-// statements: GCC 12 at -O3 deleted the __builtin_prefetch(line, 0, 1) loops of decode's
-// helpers as dead code (-fno-tree-dce kept them), so those L2 read-aheads never ran.
+// line they touch (an unaligned range's last partial line too), into L1 or only as far as
+// L2. Prefetches never fault, so the range may lie past the end of an array; the address is
+// formed in integers for that reason. On x86 they are asm statements: GCC 12 at -O3 deleted
+// the __builtin_prefetch(line, 0, 1) loops of decode's helpers as dead code (-fno-tree-dce
+// kept them), so those L2 read-aheads never ran.
 enum class Cache { l1, l2 };
 inline void prefetch_bytes(const void* p, int64_t offset, int64_t n, Cache level = Cache::l1) {
-  const uintptr_t base = reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(offset);
-  for (int64_t byte = 0; byte < n; byte += 64) {
-    const void* line = reinterpret_cast<const void*>(base + byte);
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(offset);
+  const uintptr_t end = begin + static_cast<uintptr_t>(n > 0 ? n : 0);
+  for (uintptr_t at = begin & ~uintptr_t{63}; at < end; at += 64) {
+    const void* line = reinterpret_cast<const void*>(at);
 #if defined(__x86_64__)
     if (level == Cache::l1) {
       asm volatile("prefetcht0 (%0)" : : "r"(line));
