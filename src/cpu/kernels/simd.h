@@ -257,8 +257,9 @@ inline void transpose_matrix(const float* src, int64_t lds, int64_t rows, int64_
 // kept them), so those L2 read-aheads never ran.
 enum class Cache { l1, l2 };
 inline void prefetch_bytes(const void* p, int64_t offset, int64_t n, Cache level = Cache::l1) {
+  if (n <= 0) return;
   const uintptr_t begin = reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(offset);
-  const uintptr_t end = begin + static_cast<uintptr_t>(n > 0 ? n : 0);
+  const uintptr_t end = begin + static_cast<uintptr_t>(n);
   for (uintptr_t at = begin & ~uintptr_t{63}; at < end; at += 64) {
     const void* line = reinterpret_cast<const void*>(at);
 #if defined(__x86_64__)
