@@ -59,7 +59,7 @@ class PagedRows {
   }
 
   uint32_t touch(int64_t slot) const { return touch_lines(token(slot), token_bytes()); }
-  void prefetch(int64_t slot) const { prefetch_bytes(token(slot), 0, token_bytes(), Cache::l2); }
+  void prefetch(int64_t slot, Cache level) const { prefetch_bytes(token(slot), 0, token_bytes(), level); }
 
   const MlaDecodeParams& p_;
   int64_t capacity;

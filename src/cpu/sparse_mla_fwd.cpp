@@ -47,7 +47,7 @@ struct FlatRows {
   }
 
   uint32_t touch(int32_t slot) const { return touch_lines(row(slot), row_bytes()); }
-  void prefetch(int32_t slot) const { prefetch_bytes(row(slot), 0, row_bytes(), Cache::l2); }
+  void prefetch(int32_t slot, Cache level) const { prefetch_bytes(row(slot), 0, row_bytes(), level); }
 
   // fp32 rows (dst) without kBf16Dot, else bf16 rows only (bf16 copied, fp8 converted exactly).
   void load(int32_t slot, float* dst, uint16_t* bf16) const {
