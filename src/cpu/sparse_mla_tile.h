@@ -57,14 +57,18 @@ constexpr int64_t kWholeTile = 1;
 // the same as 128 (and 512-slot splits are no longer whole tiles).
 constexpr int64_t kSlotTile = kAmx ? 256 : 128;
 constexpr int64_t kHeadBlock = 128; // heads per task (all of DeepSeek-V3.2's per rank)
-constexpr int64_t kTasksPerThread = 2;  // fewer (query, split, head block) tasks: smaller head blocks
+// Smaller head blocks where the (query, split, head block) tasks are fewer than the threads,
+// or fewer than this many per thread and not a whole number per thread (so that no thread
+// idles while another runs a last task).
+constexpr int64_t kTasksPerThread = 2;
 // Split-KV aims at this many (query row, split) pairs, each split at least kMinSplitSlots long
 // (each split re-packs Qᵀ, stalls on its first tile's rows and writes a partial O of h_q · d_v
-// floats to merge). 4 against 16 (sparse decode, topk 2048, Zen 4, in one process): batch 2
-// (2 splits, not 4) 0.94 / 0.97 of the time at 1 / 2 threads, batch 4 (none, not 4) 0.91 /
-// 0.91, batch 8 (none, not 2) 0.97 / 0.94; batch 1 keeps 4 (2, with 64-head blocks for two
-// threads: 1.05 at 2 threads).
-constexpr int64_t kSplitTarget = 4;
+// floats to merge), so only a single query row splits (in 2 where its rows allow). Sparse
+// decode, topk 2048, Zen 4, in one process, 1 / 2 threads: 4 against 16 (batch 2 in 2 splits,
+// not 4: 0.94 / 0.97 of the time; batch 4 none, not 4: 0.91 / 0.91; batch 8 none, not 2:
+// 0.97 / 0.94), then 2 against 4 (batch 1 in 2 splits of 128 heads, not 4: 0.98 / 0.98;
+// batch 2 none: 0.98 / 0.95; batch 3 none, in 64-head blocks at 2 threads: 0.99).
+constexpr int64_t kSplitTarget = 2;
 constexpr int64_t kMinSplitSlots = 512;
 constexpr int64_t kMergeHeads = 16;  // heads per split-KV merge task
 // The gather prefetches the row this many rows ahead into L1: its first loads (a V3.2
@@ -93,11 +97,15 @@ struct Plan {
     split_slots = round_up((std::max<int64_t>(capacity, 1) + splits - 1) / splits, kSlotTile);
     splits = (std::max<int64_t>(capacity, 1) + split_slots - 1) / split_slots;
     head_block = p.h_q < kHeadBlock ? p.h_q : kHeadBlock;
-    // Still too few tasks: smaller head blocks keep the threads busy, but no smaller than
-    // needed (each block regathers the row's kv tiles, and narrow Qᵀ tiles run slower); each
-    // head's numbers do not depend on the blocking, so results stay bit-identical.
-    const int64_t min_tasks = kTasksPerThread * threads;
-    while (head_block > 16 && p.s_q * splits * ((p.h_q + head_block - 1) / head_block) < min_tasks) head_block /= 2;
+    // Too few tasks, or few and uneven over the threads: smaller head blocks keep the threads
+    // busy, but no smaller than needed (each block regathers the row's kv tiles, and narrow
+    // Qᵀ tiles run slower); each head's numbers do not depend on the blocking, so results
+    // stay bit-identical.
+    auto too_few = [&](int64_t block) {
+      const int64_t n = p.s_q * splits * ((p.h_q + block - 1) / block);
+      return n < threads || (n < kTasksPerThread * threads && n % threads != 0);
+    };
+    while (head_block > 16 && too_few(head_block)) head_block /= 2;
     head_blocks = (p.h_q + head_block - 1) / head_block;
     tasks = p.s_q * splits * head_blocks;
     rows_pad = round_up(head_block, kLanes);

@@ -188,14 +188,15 @@ def test_sparse_torch_matches_numpy_and_threads():
     assert (out1.view(np.int16) == out.view(np.int16)).all() and np.array_equal(lse1, lse)
 
 
-@pytest.mark.parametrize("b,s_q,topk,tl,h_q", [(1, 1, 2048, False, 16), (1, 2, 1536, True, 16), (3, 1, 1100, True, 16),
-                                               (1, 1, 2048, True, 43)])
+@pytest.mark.parametrize("b,s_q,topk,tl,h_q", [(1, 1, 2048, False, 16), (1, 1, 1536, True, 16), (1, 1, 1100, True, 16),
+                                               (1, 1, 2048, True, 43), (1, 2, 2048, True, 16), (3, 1, 1100, True, 16)])
 def test_split_kv_exact_and_thread_independent(b, s_q, topk, tl, h_q):
-    """Few query rows split their listed rows (split-KV, fixed ranges of 512+ rows) and merge
-    the partials through their lse: within the reference tolerance, and bit-identical for
-    any thread count (the cut depends on the shape only). topk_length leaves some splits
+    """A single query row splits its listed rows (split-KV, fixed ranges of 512+ rows) and
+    merges the partials through their lse: within the reference tolerance, and bit-identical
+    for any thread count (the cut depends on the shape only). topk_length may leave a split
     empty. 43 heads: head blocks of 43 or 21 (3 threads) merged 16 heads at a time, the last
-    chunk of each block shorter."""
+    chunk of each block shorter. Two and three query rows run unsplit, in head blocks that
+    depend on the thread count (2 or 3 threads: halved until the tasks spread evenly)."""
     rng = np.random.default_rng(hash((b, s_q, topk, tl, h_q)) % 2**32)
     c = SparseCase(rng, b, s_q, h_q, 2 * topk, topk, 64, sink=True, tl=tl)
     n = attnkit.get_num_threads()
