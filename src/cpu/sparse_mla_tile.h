@@ -20,8 +20,8 @@
 // tiles (tdpbf16ps; vdpbf16ps is half the fp32 FMA rate on those Xeons), over whole tiles:
 // gathered rows, heads and pairs padded to multiples of 16 with zeros.
 //
-// Split-KV: with few query rows (decode at small batches) each row's listed rows are cut into
-// fixed ranges of Plan::split_slots, run as separate tasks into partial (O, m, l), then merged
+// Split-KV: a single query row (decode at batch 1) has its listed rows cut into fixed
+// ranges of Plan::split_slots, run as separate tasks into partial (O, m, l), then merged
 // exactly through their maxima (the lse merge). The cut depends on the shape only (s_q and
 // the row capacity), never on the thread count, so results are bit-identical for any count.
 #pragma once
