@@ -29,6 +29,27 @@ struct VarlenAttentionArgs {
   std::optional<TensorView> alibi_slopes, sinks;
 };
 
+// The backward of varlen_attention: dq, dk, dv (and the sinks' gradient) from the forward's
+// arguments, its out and lse, and the gradient of out. Each sequence runs the dense backward
+// (attention_backward's kernel) on its own rows, aligned bottom-right as in the forward.
+struct VarlenAttentionBackwardArgs {
+  TensorView q, k, v;              // the forward's packed inputs
+  TensorView cu_seqlens_q, cu_seqlens_k;
+  TensorView out;                  // the forward's output [total_q, Hq, Dv]
+  TensorView lse;                  // the forward's float32 lse [total_q, Hq]
+  TensorView dout;                 // gradient of out: out's shape and dtype, any strides
+  TensorView dq, dk, dv;           // caller-owned, the shapes and dtype of q, k and v
+  std::optional<TensorView> dlse;  // gradient of lse, float32 [total_q, Hq]; none = 0
+  // The forward's other arguments, unchanged (see VarlenAttentionArgs).
+  std::optional<int64_t> max_seqlen_q, max_seqlen_k;
+  bool causal = false;
+  std::optional<double> scale;
+  int64_t window_left = -1, window_right = -1;
+  std::optional<double> softcap;
+  std::optional<TensorView> alibi_slopes, sinks;  // ALiBi slopes get no gradient
+  std::optional<TensorView> dsinks;  // caller-owned float32 [Hq]: required with sinks
+};
+
 struct PagedAttentionArgs {
   TensorView q;                    // [total_q, Hq, D] float32, float16 or bfloat16: each sequence's new tokens
   TensorView k_cache, v_cache;     // [num_blocks, block_size, Hkv, D | Dv]: q's dtype, or float8_e4m3fn / e5m2
@@ -57,6 +78,8 @@ struct AppendKvCacheArgs {
 // Each throws attnkit::Error on invalid arguments before reading any data it is not asked to
 // validate; never modifies an input; writes every element of out and lse.
 void varlen_attention(const VarlenAttentionArgs& args);
+// Writes every element of dq, dk and dv (and dsinks); bit-identical for any thread count.
+void varlen_attention_backward(const VarlenAttentionBackwardArgs& args);
 void paged_attention(const PagedAttentionArgs& args);
 // Writes token t into slot slot_mapping[t] of both caches (in token order: a repeated slot
 // keeps the last token's values), converting to the cache dtype (round to nearest even;

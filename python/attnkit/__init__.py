@@ -12,7 +12,7 @@ from .merge import merge_attention_states
 from . import dsa  # noqa: F401  (attnkit.dsa: DeepSeek sparse attention decode, indexer, top-k)
 from .ops import attention
 from .sage import sage_attention
-from .serving import append_kv_cache, paged_attention, varlen_attention
+from .serving import append_kv_cache, paged_attention, varlen_attention, varlen_attention_backward
 from .sparse_mla import pad_heads, sparse_mla_prefill_fwd, sparse_mla_q8kv8_prefill_fwd, unpad_heads
 
 __version__ = _C.version()
@@ -57,6 +57,7 @@ def set_isa(name: str) -> None:
     _C.set_isa(name)
 
 
-__all__ = ["attention", "attention_backward", "varlen_attention", "paged_attention", "append_kv_cache", "merge_attention_states",
+__all__ = ["attention", "attention_backward", "varlen_attention", "varlen_attention_backward", "paged_attention",
+           "append_kv_cache", "merge_attention_states",
            "sage_attention", "sparse_mla_prefill_fwd", "sparse_mla_q8kv8_prefill_fwd", "pad_heads",
            "unpad_heads", "set_num_threads", "get_num_threads", "get_isa", "supported_isas", "set_isa"]

@@ -15,7 +15,7 @@ Conventions shared by the three ops (FlashAttention's and vLLM's):
 import numpy as np
 
 from . import _C
-from ._arrays import empty_like_kind, kind_of, typed, typed_or_none, typed_output
+from ._arrays import FLOAT, dtype_name, empty_like_kind, kind_of, typed, typed_or_none, typed_output
 from .ops import check_softcap, flag, real_scalar, window_pair
 
 
@@ -78,6 +78,17 @@ def run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
                         causal, scale, *_mods_args(mods))
 
 
+def run_varlen_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, dout, dq, dk, dv, dlse, max_seqlen_q,
+                        max_seqlen_k, causal, scale, mods=NO_MODS, dsinks=None):
+    _C.varlen_attention_backward(typed(q, "q"), typed(k, "k"), typed(v, "v"),
+                                 typed(cu_seqlens_q, "cu_seqlens_q", "int32"),
+                                 typed(cu_seqlens_k, "cu_seqlens_k", "int32"), typed(out, "out"),
+                                 typed(lse, "lse", "float32"), typed(dout, "dout"), typed_output(dq, "dq"),
+                                 typed_output(dk, "dk"), typed_output(dv, "dv"),
+                                 typed_or_none(dlse, "dlse", "float32"), max_seqlen_q, max_seqlen_k, causal, scale,
+                                 *_mods_args(mods), None if dsinks is None else typed_output(dsinks, "dsinks"))
+
+
 def run_paged(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, k_scale, v_scale, causal, scale, out, lse,
               mods=NO_MODS):
     _C.paged_attention(typed(q, "q"), typed(k_cache, "k_cache", CACHE), typed(v_cache, "v_cache", CACHE),
@@ -136,6 +147,44 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     lse = empty_like_kind("numpy", lse_shape, "float32") if return_lse else None
     run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, out, lse, mods)
     return (out, lse) if return_lse else out
+
+
+def varlen_attention_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
+                              max_seqlen_k=None, causal=False, scale=None, window=None, softcap=None,
+                              alibi_slopes=None, sinks=None, dlse=None, dq=None, dk=None, dv=None, dsinks=None):
+    """Gradients (dq, dk, dv) of varlen_attention at (q, k, v), given its out and lse
+    (``varlen_attention(..., return_lse=True)``) and dout, the gradient of out; with sinks,
+    (dq, dk, dv, dsinks), dsinks the float32 [Hq] gradient of the sink logits summed over the
+    sequences. FlashAttention's varlen backward.
+
+    The keyword arguments must be the forward's (cu_seqlens, causal, scale and score
+    modifiers; ALiBi slopes get no gradient). dlse, if given, is the gradient of lse (float32
+    [total_q, Hq]); None means zero. dq, dk, dv, if given, must have the shapes and dtype of
+    q, k, v and not alias any input; they are allocated otherwise (dsinks likewise). Each
+    sequence's gradients are attnkit.attention_backward's on its own rows (bottom-right
+    aligned): float32 accumulation, rounded once to the input dtype, bit-identical for any
+    thread count. Keys of a sequence without queries get zero dk and dv; queries without keys
+    get zero dq.
+    """
+    causal = flag(causal, "causal")
+    scale = None if scale is None else real_scalar(scale, "scale")
+    max_seqlen_q = _check_optional_int(max_seqlen_q, "max_seqlen_q")
+    max_seqlen_k = _check_optional_int(max_seqlen_k, "max_seqlen_k")
+    mods = (window_pair(window), check_softcap(softcap), alibi_slopes, sinks)
+    kind = kind_of(q, "q")
+    _same_kind(kind, ((k, "k"), (v, "v"), (out, "out"), (lse, "lse"), (dout, "dout"),
+                      (cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k"), (dlse, "dlse"), (dq, "dq"),
+                      (dk, "dk"), (dv, "dv"), (alibi_slopes, "alibi_slopes"), (sinks, "sinks"),
+                      (dsinks, "dsinks")))
+    dtype = dtype_name(q, "q", FLOAT)
+    dq = empty_like_kind(kind, tuple(q.shape), dtype) if dq is None else dq
+    dk = empty_like_kind(kind, tuple(k.shape), dtype) if dk is None else dk
+    dv = empty_like_kind(kind, tuple(v.shape), dtype) if dv is None else dv
+    if sinks is not None and dsinks is None:
+        dsinks = empty_like_kind(kind, (int(sinks.shape[0]) if len(sinks.shape) else 0,), "float32")
+    run_varlen_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, dout, dq, dk, dv, dlse, max_seqlen_q,
+                        max_seqlen_k, causal, scale, mods, dsinks)
+    return (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks)
 
 
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, causal=True, scale=None,

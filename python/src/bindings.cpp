@@ -274,6 +274,39 @@ void varlen_attention(const InArray& q, const InArray& k, const InArray& v, cons
   run_op([&] { attnkit::varlen_attention(args); });
 }
 
+void varlen_attention_backward(const InArray& q, const InArray& k, const InArray& v, const InArray& cu_seqlens_q,
+                               const InArray& cu_seqlens_k, const InArray& out, const InArray& lse,
+                               const InArray& dout, const OutArray& dq, const OutArray& dk, const OutArray& dv,
+                               const std::optional<InArray>& dlse, std::optional<int64_t> max_seqlen_q,
+                               std::optional<int64_t> max_seqlen_k, bool causal, std::optional<double> scale,
+                               int64_t window_left, int64_t window_right, std::optional<double> softcap,
+                               const std::optional<InArray>& alibi_slopes, const std::optional<InArray>& sinks,
+                               const std::optional<OutArray>& dsinks) {
+  attnkit::VarlenAttentionBackwardArgs args;
+  args.q = to_view(q, "q");
+  args.k = to_view(k, "k");
+  args.v = to_view(v, "v");
+  args.cu_seqlens_q = to_view(cu_seqlens_q, "cu_seqlens_q");
+  args.cu_seqlens_k = to_view(cu_seqlens_k, "cu_seqlens_k");
+  args.out = to_view(out, "out");
+  args.lse = to_view(lse, "lse");
+  args.dout = to_view(dout, "dout");
+  args.dq = to_view(dq, "dq");
+  args.dk = to_view(dk, "dk");
+  args.dv = to_view(dv, "dv");
+  args.dlse = to_view(dlse, "dlse");
+  args.max_seqlen_q = max_seqlen_q;
+  args.max_seqlen_k = max_seqlen_k;
+  args.causal = causal;
+  args.scale = scale;
+  args.window_left = window_left, args.window_right = window_right;
+  args.softcap = softcap;
+  args.alibi_slopes = to_view(alibi_slopes, "alibi_slopes");
+  args.sinks = to_view(sinks, "sinks");
+  args.dsinks = to_view(dsinks, "dsinks");
+  run_op([&] { attnkit::varlen_attention_backward(args); });
+}
+
 void paged_attention(const InArray& q, const InArray& k_cache, const InArray& v_cache, const InArray& block_table,
                      const InArray& seq_lens, const InArray& cu_seqlens_q, const OutArray& out,
                      const std::optional<OutArray>& lse, const std::optional<InArray>& k_scale,
@@ -444,6 +477,10 @@ NB_MODULE(_C, m) {
   m.def("varlen_attention", &varlen_attention, "q"_a, "k"_a, "v"_a, "cu_seqlens_q"_a, "cu_seqlens_k"_a, "out"_a,
         "lse"_a.none(), "max_seqlen_q"_a.none(), "max_seqlen_k"_a.none(), "causal"_a, "scale"_a.none(),
         "window_left"_a, "window_right"_a, "softcap"_a.none(), "alibi_slopes"_a.none(), "sinks"_a.none());
+  m.def("varlen_attention_backward", &varlen_attention_backward, "q"_a, "k"_a, "v"_a, "cu_seqlens_q"_a,
+        "cu_seqlens_k"_a, "out"_a, "lse"_a, "dout"_a, "dq"_a, "dk"_a, "dv"_a, "dlse"_a.none(), "max_seqlen_q"_a.none(),
+        "max_seqlen_k"_a.none(), "causal"_a, "scale"_a.none(), "window_left"_a, "window_right"_a,
+        "softcap"_a.none(), "alibi_slopes"_a.none(), "sinks"_a.none(), "dsinks"_a.none());
   m.def("paged_attention", &paged_attention, "q"_a, "k_cache"_a, "v_cache"_a, "block_table"_a, "seq_lens"_a,
         "cu_seqlens_q"_a, "out"_a, "lse"_a.none(), "k_scale"_a.none(), "v_scale"_a.none(), "causal"_a,
         "scale"_a.none(), "window_left"_a, "window_right"_a, "softcap"_a.none(), "alibi_slopes"_a.none(),

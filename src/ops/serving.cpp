@@ -3,16 +3,20 @@
 // counts, scales, the index arrays' values, outputs and aliasing), then fills the dense
 // kernel's AttentionParams with a ragged batch: the same tile loop runs every sequence.
 // The index arrays are read here once and copied (the kernel reads the copies), so a block
-// table entry past a sequence's length is never read.
+// table entry past a sequence's length is never read. varlen's backward takes the forward's
+// checks, then its gradients', and runs the dense backward kernel on each sequence's rows.
 #include "attnkit/serving.h"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attnkit/error.h"
 #include "core/dispatch.h"
 #include "core/kv_cache.h"
+#include "ops/attention_backward_params.h"
 #include "ops/attention_params.h"
 #include "ops/checks.h"
 #include "ops/score_mods.h"
@@ -114,9 +118,9 @@ void run(const AttentionParams& p, int64_t total_q) {
   detail::kernels().attention_fwd(p);
 }
 
-}  // namespace
-
-void varlen_attention(const VarlenAttentionArgs& a) {
+// varlen_attention's checks, in their order, and its ragged params; cu_q and cu_k receive
+// the copied offsets the params point into.
+AttentionParams varlen_params(const VarlenAttentionArgs& a, std::vector<int32_t>& cu_q, std::vector<int32_t>& cu_k) {
   // 1. Ranks.
   detail::check_rank(a.q, "q", 3, "[total_q, Hq, D]");
   detail::check_rank(a.k, "k", 3, "[total_k, Hkv, D]");
@@ -156,8 +160,8 @@ void varlen_attention(const VarlenAttentionArgs& a) {
   const double scale = checked_scale(a.scale, d);
 
   // 6. The sequences.
-  const std::vector<int32_t> cu_q = read_cu_seqlens(a.cu_seqlens_q, "cu_seqlens_q", batch, total_q, "total_q");
-  const std::vector<int32_t> cu_k = read_cu_seqlens(a.cu_seqlens_k, "cu_seqlens_k", batch, total_k, "total_k");
+  cu_q = read_cu_seqlens(a.cu_seqlens_q, "cu_seqlens_q", batch, total_q, "total_q");
+  cu_k = read_cu_seqlens(a.cu_seqlens_k, "cu_seqlens_k", batch, total_k, "total_k");
   const int64_t max_q = longest(cu_q), max_k = longest(cu_k);
   if (a.max_seqlen_q && *a.max_seqlen_q < max_q) {
     fail("max_seqlen_q must be at least the longest query sequence (", max_q, "), got ", *a.max_seqlen_q);
@@ -196,7 +200,138 @@ void varlen_attention(const VarlenAttentionArgs& a) {
   p.kv_begin = cu_k.data();
   detail::check_score_mods({a.window_left, a.window_right, a.softcap, a.alibi_slopes, a.sinks}, batch, hq,
                            max_q + max_k, a.out, a.lse, p);
-  run(p, total_q);
+  return p;
+}
+
+// t (a gradient or dout) must be a 3-d tensor of `like`'s shape and dtype.
+void check_packed_like(const TensorView& t, const char* name, const TensorView& like, const char* like_name) {
+  if (t.rank != 3) {
+    fail(name, " must be a 3-d tensor with ", like_name, "'s shape ", like.shape_str(), ", got ", t.rank, "-d");
+  }
+  for (int d = 0; d < 3; ++d) {
+    if (t.shape[d] != like.shape[d]) {
+      fail(name, " must have ", like_name, "'s shape ", like.shape_str(), ", got ", t.shape_str());
+    }
+  }
+  if (t.dtype != like.dtype) {
+    fail(name, " must have ", like_name, "'s dtype ", dtype_name(like.dtype), ", got ", dtype_name(t.dtype));
+  }
+}
+
+// Row `row` of a packed tensor whose rows are `row_stride` elements of `elem` bytes apart.
+const void* row_at(const void* base, int64_t row, int64_t row_stride, int64_t elem) {
+  return static_cast<const char*>(base) + row * row_stride * elem;
+}
+void* row_at(void* base, int64_t row, int64_t row_stride, int64_t elem) {
+  return static_cast<char*>(base) + row * row_stride * elem;
+}
+
+// Sequence b of a ragged backward as a dense one of batch 1: its rows of every tensor, its
+// lengths and bottom-right alignment, its ALiBi slopes; empty sides with zero strides (their
+// data is never read, and may be null, as attention_backward does).
+AttentionBackwardParams sequence_view(const AttentionBackwardParams& ragged, const std::vector<int32_t>& cu_q,
+                                      const std::vector<int32_t>& cu_k, int64_t b) {
+  AttentionBackwardParams s = ragged;
+  AttentionParams& f = s.fwd;
+  const int64_t q0 = cu_q[b], k0 = cu_k[b], elem = static_cast<int64_t>(dtype_size(f.dtype));
+  f.B = 1, f.Sq = cu_q[b + 1] - q0, f.Skv = cu_k[b + 1] - k0;
+  f.causal_offset = f.Skv - f.Sq;
+  f.q_begin = f.kv_begin = nullptr;
+  f.q = row_at(f.q, q0, f.q_stride[2], elem), f.out = row_at(f.out, q0, f.out_stride[2], elem);
+  f.k = row_at(f.k, k0, f.k_stride[2], elem), f.v = row_at(f.v, k0, f.v_stride[2], elem);
+  f.lse += q0 * f.lse_stride[2];
+  s.dout = row_at(s.dout, q0, s.dout_stride[2], elem), s.dq = row_at(s.dq, q0, s.dq_stride[2], elem);
+  s.dk = row_at(s.dk, k0, s.dk_stride[2], elem), s.dv = row_at(s.dv, k0, s.dv_stride[2], elem);
+  if (s.dlse) s.dlse += q0 * s.dlse_stride[2];
+  if (f.alibi_slopes) f.alibi_slopes += b * f.alibi_stride[0], f.alibi_stride[0] = 0;
+  if (f.Sq == 0) {
+    for (int64_t* st : {f.q_stride, f.out_stride, s.dout_stride, s.dq_stride}) std::fill(st, st + 4, 0);
+    std::fill(f.lse_stride, f.lse_stride + 3, 0);
+    std::fill(s.dlse_stride, s.dlse_stride + 3, 0);
+  }
+  if (f.Skv == 0) {
+    for (int64_t* st : {f.k_stride, f.v_stride, s.dk_stride, s.dv_stride}) std::fill(st, st + 4, 0);
+  }
+  return s;
+}
+
+}  // namespace
+
+void varlen_attention(const VarlenAttentionArgs& a) {
+  std::vector<int32_t> cu_q, cu_k;
+  run(varlen_params(a, cu_q, cu_k), a.q.shape[0]);
+}
+
+void varlen_attention_backward(const VarlenAttentionBackwardArgs& a) {
+  VarlenAttentionArgs fa;
+  fa.q = a.q, fa.k = a.k, fa.v = a.v, fa.cu_seqlens_q = a.cu_seqlens_q, fa.cu_seqlens_k = a.cu_seqlens_k;
+  fa.out = a.out, fa.lse = a.lse, fa.max_seqlen_q = a.max_seqlen_q, fa.max_seqlen_k = a.max_seqlen_k;
+  fa.causal = a.causal, fa.scale = a.scale;
+  fa.window_left = a.window_left, fa.window_right = a.window_right, fa.softcap = a.softcap;
+  fa.alibi_slopes = a.alibi_slopes, fa.sinks = a.sinks;
+  std::vector<int32_t> cu_q, cu_k;
+  AttentionBackwardParams p{};
+  p.fwd = varlen_params(fa, cu_q, cu_k);  // every forward check, in the forward's words
+  const int64_t hq = p.fwd.Hq, total_q = a.q.shape[0];
+
+  check_packed_like(a.dout, "dout", a.out, "out");
+  check_packed_like(a.dq, "dq", a.q, "q");
+  check_packed_like(a.dk, "dk", a.k, "k");
+  check_packed_like(a.dv, "dv", a.v, "v");
+  if (a.dlse) {
+    const TensorView& l = *a.dlse;
+    if (l.rank != 2 || l.shape[0] != total_q || l.shape[1] != hq) {
+      fail("dlse must have lse's shape [", total_q, ", ", hq, "] ([total_q, Hq]), got ", l.shape_str());
+    }
+    if (l.dtype != DType::float32) fail("dlse must be float32, got ", dtype_name(l.dtype));
+  }
+  if (a.sinks && !a.dsinks) fail("dsinks must be given with sinks (float32 [", hq, "]), got None");
+  if (!a.sinks && a.dsinks) fail("dsinks must be None without sinks, got a tensor");
+  if (a.dsinks) {
+    const TensorView& s = *a.dsinks;
+    if (s.dtype != DType::float32 || s.rank != 1 || s.shape[0] != hq) {
+      fail("dsinks must be float32 of shape [", hq, "] (sinks' shape), got ", dtype_name(s.dtype), " of shape ",
+           s.shape_str());
+    }
+  }
+  std::vector<std::pair<const TensorView*, const char*>> grads = {{&a.dq, "dq"}, {&a.dk, "dk"}, {&a.dv, "dv"}};
+  if (a.dsinks) grads.push_back({&*a.dsinks, "dsinks"});
+  for (const auto& [g, name] : grads) detail::check_writable_layout(*g, name);
+  std::vector<std::pair<const TensorView*, const char*>> inputs = {
+      {&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.cu_seqlens_q, "cu_seqlens_q"}, {&a.cu_seqlens_k, "cu_seqlens_k"},
+      {&a.out, "out"}, {&a.lse, "lse"}, {&a.dout, "dout"}};
+  if (a.dlse) inputs.push_back({&*a.dlse, "dlse"});
+  if (a.alibi_slopes) inputs.push_back({&*a.alibi_slopes, "alibi_slopes"});
+  if (a.sinks) inputs.push_back({&*a.sinks, "sinks"});
+  for (size_t g = 0; g < grads.size(); ++g) {
+    for (const auto& [input, input_name] : inputs) check_no_overlap(*grads[g].first, grads[g].second, *input, input_name);
+    for (size_t other = g + 1; other < grads.size(); ++other) {
+      check_no_overlap(*grads[g].first, grads[g].second, *grads[other].first, grads[other].second);
+    }
+  }
+
+  p.dout = a.dout.data, p.dq = a.dq.data, p.dk = a.dk.data, p.dv = a.dv.data;
+  packed_strides(a.dout, p.dout_stride);
+  packed_strides(a.dq, p.dq_stride);
+  packed_strides(a.dk, p.dk_stride);
+  packed_strides(a.dv, p.dv_stride);
+  if (a.dlse) {
+    p.dlse = static_cast<const float*>(a.dlse->data);
+    p.dlse_stride[0] = 0, p.dlse_stride[1] = a.dlse->strides[1], p.dlse_stride[2] = a.dlse->strides[0];
+  }
+  // Each sequence's sink gradient into its own row, then summed over the sequences in order.
+  std::vector<float> seq_dsinks(a.dsinks ? hq : 0);
+  std::vector<double> dsinks(seq_dsinks.size(), 0.0);
+  for (int64_t b = 0; b + 1 < static_cast<int64_t>(cu_q.size()); ++b) {
+    AttentionBackwardParams s = sequence_view(p, cu_q, cu_k, b);
+    if (s.fwd.Sq == 0 && s.fwd.Skv == 0) continue;
+    if (a.dsinks) s.dsinks = seq_dsinks.data(), s.dsinks_stride = 1;
+    detail::kernels().attention_bwd(s);
+    for (size_t h = 0; h < seq_dsinks.size(); ++h) dsinks[h] += seq_dsinks[h];
+  }
+  for (size_t h = 0; h < dsinks.size(); ++h) {
+    static_cast<float*>(a.dsinks->data)[h * a.dsinks->strides[0]] = static_cast<float>(dsinks[h]);
+  }
 }
 
 void paged_attention(const PagedAttentionArgs& a) {

@@ -1,7 +1,8 @@
 // A seeded random-call fuzz driver over attnkit's C++ API: attention, sage_attention (int8
 // and fp4), sparse_mla_prefill_fwd and sparse_mla_q8kv8_prefill_fwd, the serving ops
-// (varlen_attention, paged_attention with same-dtype and fp8 caches, append_kv_cache),
-// merge_attention_states and attention_backward, on every ISA and a few thread counts.
+// (varlen_attention and its backward, paged_attention with same-dtype and fp8 caches,
+// append_kv_cache), merge_attention_states and attention_backward, on every ISA and a few
+// thread counts.
 // Shapes include 0, 1, odd sizes and tile edges; strides are contiguous, permuted, padded,
 // stepped, negative and zero (inputs), or overlapping and aliasing (outputs, which must then
 // be rejected). Index arrays (cu_seqlens, seq_lens, block tables, slots) hold valid values
@@ -806,6 +807,50 @@ std::optional<double> pick_softmax_scale(Call& c) {
 
 // ---- varlen_attention
 
+// The backward of the varlen call f (its out and lse computed here, then inputs): gradients
+// poisoned and checked fully written, perturbed dout, dq, dk, dlse and dsinks; values are
+// checked against float64 in tests/python/test_varlen_backward.py.
+bool fuzz_varlen_backward(Call& c, const attnkit::VarlenAttentionArgs& f, Tensor& out_tensor, Tensor& lse_tensor,
+                          DType dtype) {
+  Rng& rng = c.rng;
+  bool forward_ok = true;
+  try {
+    attnkit::varlen_attention(f);
+  } catch (const attnkit::Error&) {
+    forward_ok = false;
+  }
+  out_tensor.output = lse_tensor.output = false;
+  if (!forward_ok) c.require_error("the forward rejects these arguments");
+  const int perturb = rng.chance(0.3) ? static_cast<int>(rng.range(0, 4)) : -1;
+  c.log << "  then varlen_attention_backward\n";
+  attnkit::VarlenAttentionBackwardArgs a;
+  a.q = f.q, a.k = f.k, a.v = f.v, a.cu_seqlens_q = f.cu_seqlens_q, a.cu_seqlens_k = f.cu_seqlens_k;
+  a.out = f.out, a.lse = *f.lse, a.max_seqlen_q = f.max_seqlen_q, a.max_seqlen_k = f.max_seqlen_k;
+  a.causal = f.causal, a.scale = f.scale;
+  a.window_left = f.window_left, a.window_right = f.window_right, a.softcap = f.softcap;
+  a.alibi_slopes = f.alibi_slopes, a.sinks = f.sinks;
+  auto shape = [](const TensorView& t) { return std::vector<int64_t>(t.shape.begin(), t.shape.begin() + t.rank); };
+  const DType other = dtype == DType::float32 ? DType::bfloat16 : DType::float32;
+  a.dout = c.make("dout", perturb == 0 ? other : dtype, shape(f.out), Call::Kind::input);
+  if (perturb == 0) c.require_error("dout's dtype differs");
+  std::vector<int64_t> dq_shape = shape(f.q);
+  if (perturb == 1) dq_shape[1] += 1, c.require_error("dq's shape differs");
+  a.dq = c.make("dq", dtype, dq_shape, Call::Kind::output, 0.05);
+  a.dk = c.make("dk", dtype, shape(f.k), Call::Kind::output, 0.05);
+  a.dv = c.make("dv", dtype, shape(f.v), Call::Kind::output, 0.05);
+  if (rng.chance(0.3)) {
+    std::vector<int64_t> dlse_shape = shape(*f.lse);
+    if (perturb == 2) dlse_shape[0] += 1, c.require_error("dlse's shape differs");
+    a.dlse = c.make("dlse", DType::float32, dlse_shape, Call::Kind::input);
+  }
+  if (f.sinks && perturb == 3) {
+    c.require_error("sinks without dsinks");
+  } else if (f.sinks) {
+    a.dsinks = c.make("dsinks", DType::float32, shape(*f.sinks), Call::Kind::output, 0.05);
+  }
+  return c.run([&] { attnkit::varlen_attention_backward(a); });
+}
+
 bool fuzz_varlen(Call& c) {
   Rng& rng = c.rng;
   c.specials = rng.chance(0.2);
@@ -865,9 +910,12 @@ bool fuzz_varlen(Call& c) {
   } else {
     a.out = c.make("out", dtype, {total_q, hq, dv}, Call::Kind::output, 0.05);
   }
+  Tensor& out_tensor = c.last();
+  Tensor* lse_tensor = nullptr;
   if (rng.chance(0.6)) {
     a.lse = c.make("lse", DType::float32, {total_q, perturb == 8 ? hq + 1 : hq}, Call::Kind::output, 0.05);
     if (perturb == 8) c.require_error("lse of the wrong shape");
+    lse_tensor = &c.last();
   }
   a.causal = rng.chance(0.5);
   a.scale = pick_softmax_scale(c);
@@ -875,6 +923,7 @@ bool fuzz_varlen(Call& c) {
   a.window_left = mods.left, a.window_right = mods.right, a.softcap = mods.softcap;
   if (mods.alibi) a.alibi_slopes = *mods.alibi;
   if (mods.sinks) a.sinks = *mods.sinks;
+  if (lse_tensor && rng.chance(0.35)) return fuzz_varlen_backward(c, a, out_tensor, *lse_tensor, dtype);
   if (!c.run([&] { attnkit::varlen_attention(a); })) return false;
   if (c.specials) return true;
   const double sm = a.scale ? *a.scale : 1.0 / std::sqrt(static_cast<double>(d));
