@@ -1,5 +1,9 @@
 """``--op backward``: attnkit.attention_backward (dq, dk, dv) next to attnkit's forward and
-torch's CPU SDPA backward, in one run (interleaved, so drift hits all alike).
+torch's CPU SDPA backward, in one run (interleaved, so drift hits all alike). ``--op
+varlen_backward``: the same for attnkit.varlen_attention_backward on the packed ragged batch
+of ``--op varlen`` (shape R), torch's SDPA backward on the padded batch with a padding mask
+(what users do today; the graph built once per input set, the gradients unpadded inside the
+timed call); verified on two sequences' kv head Hkv-1 (all their rows).
 
 Shapes: attention's (A, A', V or a spec; default A, fp32 and bf16). Contenders: attnkit's
 backward (role attnkit, what the ratios are against), attnkit's forward on the same inputs
@@ -18,8 +22,11 @@ import math
 
 import numpy as np
 
+from types import SimpleNamespace
+
 from .attention_op import AttentionOp, AttnInputs, _as_f32, _check, exact_peak_of
-from .registry import Check, Contender, Counts, optional_torch, register
+from .registry import Check, Contender, Counts, numpy_dtype, optional_torch, register
+from .serving_op import VarlenInputs, VarlenOp, _torch_view
 
 # |got - ref| <= atol · max|ref| + rtol · |ref| per gradient (as tests/python/test_attention_backward.py)
 GRAD_TOL = {"float32": (2e-5, 1e-4), "float16": (2e-3, 4e-3), "bfloat16": (1.6e-2, 2e-2)}
@@ -204,3 +211,151 @@ class BackwardOp(AttentionOp):
 
 
 register(BackwardOp())
+
+
+class VarlenBackwardInputs(VarlenInputs):
+    """The packed batch, dout, and the forward's out and lse (attnkit's, untimed); a padded
+    torch graph for the peer, built on first use."""
+
+    def __init__(self, x, dout, causal):
+        super().__init__(x.q, x.k, x.v, x.cu)
+        import attnkit
+
+        self.dout = dout
+        self.fwd_out, self.lse = attnkit.varlen_attention(x.q, x.k, x.v, x.cu, x.cu, causal=causal, return_lse=True)
+        self.graph = None
+
+    def torch_graph(self, s):
+        if self.graph is None:
+            torch = optional_torch()
+            lengths, smax = np.diff(self.cu), int(np.diff(self.cu).max())
+            B = len(lengths)
+
+            def pad(a, h):
+                p = torch.zeros((B, smax, h, s.D), dtype=_torch_view(a).dtype)
+                for b in range(B):
+                    p[b, :lengths[b]] = _torch_view(a[self.cu[b]:self.cu[b + 1]])
+                return p.transpose(1, 2)
+
+            valid = torch.from_numpy(np.arange(smax)[None, :] < lengths[:, None])
+            mask = valid[:, None, None, :] & valid[:, None, :, None]
+            if s.causal:
+                mask = mask & torch.ones(smax, smax, dtype=torch.bool).tril()
+            # padded query rows see every key (no empty softmax row); their dout is zero
+            mask = mask | ~valid[:, None, :, None]
+            index = torch.from_numpy(np.concatenate([b * smax + np.arange(n) for b, n in enumerate(lengths)]))
+            leaves = [pad(a, h).requires_grad_() for a, h in ((self.q, s.Hq), (self.k, s.Hkv), (self.v, s.Hkv))]
+            out = torch.nn.functional.scaled_dot_product_attention(*leaves, attn_mask=mask, enable_gqa=s.Hq != s.Hkv)
+            self.graph = (leaves, out, pad(self.dout, s.Hq), index)
+        return self.graph
+
+
+class VarlenBackwardOp(VarlenOp):
+    name = "varlen_backward"
+    description = ("backward of a packed ragged batch (attnkit.varlen_attention_backward vs its forward and "
+                   "padded torch SDPA's backward)")
+
+    def peak_of(self, row):
+        return super().peak_of(row) if row.contender == "attnkit-forward" else exact_peak_of(row)
+
+    def counts(self, case):
+        base = super().counts(case)
+        s = case.shape
+        return Counts(flops=2.0 * s.Hq * 5 * s.D * base.extra["pairs"], extra=base.extra)
+
+    def input_bytes(self, case):
+        return super().input_bytes(case) * 2  # and dout, out
+
+    def make_inputs(self, case, rng):
+        x = super().make_inputs(case, rng)
+        dout = rng.standard_normal(x.q.shape, dtype=np.float32).astype(numpy_dtype(case.dtype))
+        return VarlenBackwardInputs(x, dout, case.shape.causal)
+
+    def reference(self, case, inputs, rng=None):
+        s = case.shape
+        lengths = s.lengths()
+        kvh, group = s.Hkv - 1, s.Hq // s.Hkv
+        seqs, grads, outs = sorted({0, int(np.argmax(lengths))}), [], []
+        for b in seqs:
+            lo, hi = inputs.cu[b], inputs.cu[b + 1]
+            n = hi - lo
+            bhsd = lambda a: a[lo:hi].transpose(1, 0, 2)[None]  # noqa: E731
+            shape = SimpleNamespace(Hq=s.Hq, Hkv=s.Hkv, Sq=n, Skv=n, D=s.D, Dv=s.D, causal=s.causal)
+            seq = SimpleNamespace(q=bhsd(inputs.q), k=bhsd(inputs.k), v=bhsd(inputs.v), dout=bhsd(inputs.dout))
+            dq, dk, dv, out, magnitude = backward_reference(shape, seq, 0, kvh)
+            grads.append((dq, dk, dv))
+            outs.append((out, magnitude))
+        return {"seqs": seqs, "kvh": kvh, "group": group, "grads": grads, "out": outs}
+
+    def _rows(self, ref, cu, b, x, heads):
+        return np.asarray(_as_f32(x))[cu[b]:cu[b + 1], heads].transpose(1, 0, 2) if isinstance(heads, slice) else \
+            np.asarray(_as_f32(x))[cu[b]:cu[b + 1], heads]
+
+    def verify(self, case, ref, out):
+        cu = np.concatenate([[0], np.cumsum(case.shape.lengths())])
+        kvh, group = ref["kvh"], ref["group"]
+        qheads = slice(kvh * group, (kvh + 1) * group)
+        got, want = [[], [], []], [[], [], []]
+        for i, b in enumerate(ref["seqs"]):
+            for j, (g, heads) in enumerate(zip(out, (qheads, kvh, kvh))):
+                got[j].append(self._rows(ref, cu, b, g, heads).reshape(-1))
+                want[j].append(ref["grads"][i][j].reshape(-1))
+        return _check_grads([np.concatenate(g) for g in got], [np.concatenate(w) for w in want], case.dtype)
+
+    def verify_forward(self, case, ref, out):
+        cu = np.concatenate([[0], np.cumsum(case.shape.lengths())])
+        kvh, group = ref["kvh"], ref["group"]
+        got = [self._rows(ref, cu, b, out, slice(kvh * group, (kvh + 1) * group)).reshape(-1) for b in ref["seqs"]]
+        want = [o.reshape(-1) for o, _ in ref["out"]]
+        magnitude = [m.reshape(-1) for _, m in ref["out"]]
+        return _check(np.concatenate(got).astype(np.float64), np.concatenate(want), case.dtype,
+                      magnitude=np.concatenate(magnitude))
+
+    def compare(self, case, out, attnkit_out):
+        ref = [g.astype(np.float64) for g in _grads_of(attnkit_out)]
+        return _check_grads(_grads_of(out), ref, case.dtype, PEER_FACTOR)
+
+    def inject_error(self, case, ref, out):
+        dq = out[0].copy()
+        dq[0, ref["kvh"] * ref["group"], 0] = dq[0, ref["kvh"] * ref["group"], 0] * -3 + 1
+        return (dq,) + tuple(out[1:])
+
+    def contenders(self, case):
+        import attnkit
+
+        s = case.shape
+        best = attnkit.get_isa()
+        notes = []
+        forward_flops = VarlenOp.counts(self, case).flops  # the forward's two products
+
+        def run_backward(x):
+            return attnkit.varlen_attention_backward(x.q, x.k, x.v, x.fwd_out, x.lse, x.dout, x.cu, x.cu,
+                                                     causal=s.causal)
+
+        def run_forward(x):
+            return attnkit.varlen_attention(x.q, x.k, x.v, x.cu, x.cu, causal=s.causal, out=x.out)
+
+        out = [Contender("attnkit", "attnkit", run_backward, prepare=lambda: attnkit.set_isa(best),
+                         set_threads=attnkit.set_num_threads, note=f"backward, isa {best}"),
+               Contender("attnkit-forward", "reference", run_forward, prepare=lambda: attnkit.set_isa(best),
+                         set_threads=attnkit.set_num_threads, note="forward: ratio = forward / backward",
+                         verify=lambda ref, got: self.verify_forward(case, ref, got), compare_to="",
+                         flops=forward_flops)]
+        torch = optional_torch()
+        if torch is None:
+            notes.append("torch-sdpa-padded-backward: skipped (torch is not importable)")
+            return out, notes
+
+        def run_torch(x):
+            leaves, o, dout, index = x.torch_graph(s)
+            for leaf in leaves:
+                leaf.grad = None
+            o.backward(dout, retain_graph=True)
+            return [leaf.grad.transpose(1, 2).reshape(-1, leaf.shape[1], s.D)[index] for leaf in leaves]
+
+        out.append(Contender("torch-sdpa-padded-backward", "peer", run_torch, set_threads=torch.set_num_threads,
+                             note=f"torch {torch.__version__}, padded + mask, out.backward only"))
+        return out, notes
+
+
+register(VarlenBackwardOp())

@@ -178,7 +178,7 @@ def load_ops() -> dict:
     from . import serving_op  # noqa: F401  (registers "varlen" and "paged")
     from . import dsa_op  # noqa: F401  (registers "dsa")
     from . import modifiers_op  # noqa: F401  (registers "modifiers")
-    from . import backward_op  # noqa: F401  (registers "backward")
+    from . import backward_op  # noqa: F401  (registers "backward" and "varlen_backward")
     return OPS
 
 
