@@ -25,22 +25,6 @@ void bhsd_strides(const TensorView& t, Layout layout, int64_t* stride) {
   for (int d = 0; d < 4; ++d) stride[d] = t.strides[layout == Layout::BHSD ? d : kBshd[d]];
 }
 
-// t must be a 4-d tensor of `like`'s shape and dtype (like is the forward tensor it matches).
-void check_like(const TensorView& t, const char* name, const TensorView& like, const char* like_name) {
-  if (t.rank != 4) {
-    fail(name, " must be a 4-d tensor with ", like_name, "'s shape ", like.shape_str(), ", got ", t.rank,
-         "-d");
-  }
-  for (int d = 0; d < 4; ++d) {
-    if (t.shape[d] != like.shape[d]) {
-      fail(name, " must have ", like_name, "'s shape ", like.shape_str(), ", got ", t.shape_str());
-    }
-  }
-  if (t.dtype != like.dtype) {
-    fail(name, " must have ", like_name, "'s dtype ", dtype_name(like.dtype), ", got ", dtype_name(t.dtype));
-  }
-}
-
 }  // namespace
 
 void attention_backward(const AttentionBackwardArgs& a) {
@@ -56,10 +40,10 @@ void attention_backward(const AttentionBackwardArgs& a) {
   if (a.dropout_p > 0.0 && !a.seed) {
     fail("seed must be the forward's dropout seed when dropout_p > 0, got None");
   }
-  check_like(a.dout, "dout", a.out, "out");
-  check_like(a.dq, "dq", a.q, "q");
-  check_like(a.dk, "dk", a.k, "k");
-  check_like(a.dv, "dv", a.v, "v");
+  detail::check_like(a.dout, "dout", a.out, "out");
+  detail::check_like(a.dq, "dq", a.q, "q");
+  detail::check_like(a.dk, "dk", a.k, "k");
+  detail::check_like(a.dv, "dv", a.v, "v");
   if (a.dlse) {
     const TensorView& l = *a.dlse;
     if (l.rank != 3 || l.shape[0] != p.fwd.B || l.shape[1] != p.fwd.Hq || l.shape[2] != p.fwd.Sq) {
@@ -67,32 +51,15 @@ void attention_backward(const AttentionBackwardArgs& a) {
     }
     if (l.dtype != DType::float32) fail("dlse must be float32, got ", dtype_name(l.dtype));
   }
-  if (a.sinks && !a.dsinks) fail("dsinks must be given with sinks (float32 [", p.fwd.Hq, "]), got None");
-  if (!a.sinks && a.dsinks) fail("dsinks must be None without sinks, got a tensor");
-  if (a.dsinks) {
-    const TensorView& s = *a.dsinks;
-    if (s.dtype != DType::float32 || s.rank != 1 || s.shape[0] != p.fwd.Hq) {
-      fail("dsinks must be float32 of shape [", p.fwd.Hq, "] (sinks' shape), got ", dtype_name(s.dtype),
-           " of shape ", s.shape_str());
-    }
-  }
-  std::vector<std::pair<const TensorView*, const char*>> grads = {{&a.dq, "dq"}, {&a.dk, "dk"}, {&a.dv, "dv"}};
+  detail::check_dsinks(a.sinks, a.dsinks, p.fwd.Hq);
+  detail::NamedViews grads = {{&a.dq, "dq"}, {&a.dk, "dk"}, {&a.dv, "dv"}};
   if (a.dsinks) grads.push_back({&*a.dsinks, "dsinks"});
-  for (const auto& [g, name] : grads) detail::check_writable_layout(*g, name);
-  std::vector<std::pair<const TensorView*, const char*>> inputs = {
-      {&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.out, "out"}, {&a.lse, "lse"}, {&a.dout, "dout"}};
+  detail::NamedViews inputs = {{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.out, "out"}, {&a.lse, "lse"}, {&a.dout, "dout"}};
   if (a.attn_mask) inputs.push_back({&*a.attn_mask, "attn_mask"});
   if (a.dlse) inputs.push_back({&*a.dlse, "dlse"});
   if (a.alibi_slopes) inputs.push_back({&*a.alibi_slopes, "alibi_slopes"});
   if (a.sinks) inputs.push_back({&*a.sinks, "sinks"});
-  for (size_t g = 0; g < grads.size(); ++g) {
-    for (const auto& [input, input_name] : inputs) {
-      detail::check_no_overlap(*grads[g].first, grads[g].second, *input, input_name);
-    }
-    for (size_t other = g + 1; other < grads.size(); ++other) {
-      detail::check_no_overlap(*grads[g].first, grads[g].second, *grads[other].first, grads[other].second);
-    }
-  }
+  detail::check_gradients(grads, inputs);
 
   p.dout = a.dout.data, p.dq = a.dq.data, p.dk = a.dk.data, p.dv = a.dv.data;
   bhsd_strides(a.dout, a.layout, p.dout_stride);

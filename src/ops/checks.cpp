@@ -174,4 +174,38 @@ void check_output(const TensorView& t, const char* name, DType dtype, std::initi
   if (!t.is_contiguous()) fail(name, " must be contiguous");
 }
 
+void check_like(const TensorView& t, const char* name, const TensorView& like, const char* like_name) {
+  if (t.rank != like.rank) {
+    fail(name, " must be a ", like.rank, "-d tensor with ", like_name, "'s shape ", like.shape_str(), ", got ", t.rank,
+         "-d");
+  }
+  for (int d = 0; d < t.rank; ++d) {
+    if (t.shape[d] != like.shape[d]) {
+      fail(name, " must have ", like_name, "'s shape ", like.shape_str(), ", got ", t.shape_str());
+    }
+  }
+  if (t.dtype != like.dtype) {
+    fail(name, " must have ", like_name, "'s dtype ", dtype_name(like.dtype), ", got ", dtype_name(t.dtype));
+  }
+}
+
+void check_gradients(const NamedViews& grads, const NamedViews& inputs) {
+  for (const auto& [g, name] : grads) check_writable_layout(*g, name);
+  for (size_t g = 0; g < grads.size(); ++g) {
+    for (const auto& [input, input_name] : inputs) check_no_overlap(*grads[g].first, grads[g].second, *input, input_name);
+    for (size_t other = g + 1; other < grads.size(); ++other) {
+      check_no_overlap(*grads[g].first, grads[g].second, *grads[other].first, grads[other].second);
+    }
+  }
+}
+
+void check_dsinks(const std::optional<TensorView>& sinks, const std::optional<TensorView>& dsinks, int64_t hq) {
+  if (sinks && !dsinks) fail("dsinks must be given with sinks (float32 [", hq, "]), got None");
+  if (!sinks && dsinks) fail("dsinks must be None without sinks, got a tensor");
+  if (dsinks && (dsinks->dtype != DType::float32 || dsinks->rank != 1 || dsinks->shape[0] != hq)) {
+    fail("dsinks must be float32 of shape [", hq, "] (sinks' shape), got ", dtype_name(dsinks->dtype), " of shape ",
+         dsinks->shape_str());
+  }
+}
+
 }  // namespace attnkit::detail

@@ -4,8 +4,11 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 #include <sstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "attnkit/error.h"
 #include "attnkit/tensor.h"
@@ -44,5 +47,17 @@ void check_output(const TensorView& t, const char* name, DType dtype, std::initi
 
 // The memory spans of a and b must not overlap (a conservative check on address ranges).
 void check_no_overlap(const TensorView& a, const char* a_name, const TensorView& b, const char* b_name);
+
+// t (a gradient, or dout) must have `like`'s rank, shape and dtype.
+void check_like(const TensorView& t, const char* name, const TensorView& like, const char* like_name);
+
+using NamedViews = std::vector<std::pair<const TensorView*, const char*>>;
+
+// A backward's gradients: each writable (check_writable_layout), none overlapping an input or
+// another gradient.
+void check_gradients(const NamedViews& grads, const NamedViews& inputs);
+
+// The sinks' gradient: given exactly when sinks are, float32 [hq].
+void check_dsinks(const std::optional<TensorView>& sinks, const std::optional<TensorView>& dsinks, int64_t hq);
 
 }  // namespace attnkit::detail

@@ -203,21 +203,6 @@ AttentionParams varlen_params(const VarlenAttentionArgs& a, std::vector<int32_t>
   return p;
 }
 
-// t (a gradient or dout) must be a 3-d tensor of `like`'s shape and dtype.
-void check_packed_like(const TensorView& t, const char* name, const TensorView& like, const char* like_name) {
-  if (t.rank != 3) {
-    fail(name, " must be a 3-d tensor with ", like_name, "'s shape ", like.shape_str(), ", got ", t.rank, "-d");
-  }
-  for (int d = 0; d < 3; ++d) {
-    if (t.shape[d] != like.shape[d]) {
-      fail(name, " must have ", like_name, "'s shape ", like.shape_str(), ", got ", t.shape_str());
-    }
-  }
-  if (t.dtype != like.dtype) {
-    fail(name, " must have ", like_name, "'s dtype ", dtype_name(like.dtype), ", got ", dtype_name(t.dtype));
-  }
-}
-
 // Row `row` of a packed tensor whose rows are `row_stride` elements of `elem` bytes apart.
 const void* row_at(const void* base, int64_t row, int64_t row_stride, int64_t elem) {
   return static_cast<const char*>(base) + row * row_stride * elem;
@@ -274,10 +259,10 @@ void varlen_attention_backward(const VarlenAttentionBackwardArgs& a) {
   p.fwd = varlen_params(fa, cu_q, cu_k);  // every forward check, in the forward's words
   const int64_t hq = p.fwd.Hq, total_q = a.q.shape[0];
 
-  check_packed_like(a.dout, "dout", a.out, "out");
-  check_packed_like(a.dq, "dq", a.q, "q");
-  check_packed_like(a.dk, "dk", a.k, "k");
-  check_packed_like(a.dv, "dv", a.v, "v");
+  detail::check_like(a.dout, "dout", a.out, "out");
+  detail::check_like(a.dq, "dq", a.q, "q");
+  detail::check_like(a.dk, "dk", a.k, "k");
+  detail::check_like(a.dv, "dv", a.v, "v");
   if (a.dlse) {
     const TensorView& l = *a.dlse;
     if (l.rank != 2 || l.shape[0] != total_q || l.shape[1] != hq) {
@@ -285,30 +270,15 @@ void varlen_attention_backward(const VarlenAttentionBackwardArgs& a) {
     }
     if (l.dtype != DType::float32) fail("dlse must be float32, got ", dtype_name(l.dtype));
   }
-  if (a.sinks && !a.dsinks) fail("dsinks must be given with sinks (float32 [", hq, "]), got None");
-  if (!a.sinks && a.dsinks) fail("dsinks must be None without sinks, got a tensor");
-  if (a.dsinks) {
-    const TensorView& s = *a.dsinks;
-    if (s.dtype != DType::float32 || s.rank != 1 || s.shape[0] != hq) {
-      fail("dsinks must be float32 of shape [", hq, "] (sinks' shape), got ", dtype_name(s.dtype), " of shape ",
-           s.shape_str());
-    }
-  }
-  std::vector<std::pair<const TensorView*, const char*>> grads = {{&a.dq, "dq"}, {&a.dk, "dk"}, {&a.dv, "dv"}};
+  detail::check_dsinks(a.sinks, a.dsinks, hq);
+  detail::NamedViews grads = {{&a.dq, "dq"}, {&a.dk, "dk"}, {&a.dv, "dv"}};
   if (a.dsinks) grads.push_back({&*a.dsinks, "dsinks"});
-  for (const auto& [g, name] : grads) detail::check_writable_layout(*g, name);
-  std::vector<std::pair<const TensorView*, const char*>> inputs = {
-      {&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.cu_seqlens_q, "cu_seqlens_q"}, {&a.cu_seqlens_k, "cu_seqlens_k"},
-      {&a.out, "out"}, {&a.lse, "lse"}, {&a.dout, "dout"}};
+  detail::NamedViews inputs = {{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.cu_seqlens_q, "cu_seqlens_q"},
+                               {&a.cu_seqlens_k, "cu_seqlens_k"}, {&a.out, "out"}, {&a.lse, "lse"}, {&a.dout, "dout"}};
   if (a.dlse) inputs.push_back({&*a.dlse, "dlse"});
   if (a.alibi_slopes) inputs.push_back({&*a.alibi_slopes, "alibi_slopes"});
   if (a.sinks) inputs.push_back({&*a.sinks, "sinks"});
-  for (size_t g = 0; g < grads.size(); ++g) {
-    for (const auto& [input, input_name] : inputs) check_no_overlap(*grads[g].first, grads[g].second, *input, input_name);
-    for (size_t other = g + 1; other < grads.size(); ++other) {
-      check_no_overlap(*grads[g].first, grads[g].second, *grads[other].first, grads[other].second);
-    }
-  }
+  detail::check_gradients(grads, inputs);
 
   p.dout = a.dout.data, p.dq = a.dq.data, p.dk = a.dk.data, p.dv = a.dv.data;
   packed_strides(a.dout, p.dout_stride);

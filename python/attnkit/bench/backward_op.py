@@ -26,7 +26,7 @@ from types import SimpleNamespace
 
 from .attention_op import AttentionOp, AttnInputs, _as_f32, _check, exact_peak_of
 from .registry import Check, Contender, Counts, numpy_dtype, optional_torch, register
-from .serving_op import VarlenInputs, VarlenOp, _torch_view
+from .serving_op import VarlenInputs, VarlenOp, padded_batch
 
 # |got - ref| <= atol · max|ref| + rtol · |ref| per gradient (as tests/python/test_attention_backward.py)
 GRAD_TOL = {"float32": (2e-5, 1e-4), "float16": (2e-3, 4e-3), "bfloat16": (1.6e-2, 2e-2)}
@@ -108,6 +108,19 @@ def _check_grads(got, ref, dtype, factor=1.0) -> Check:
     return Check(True, worst)
 
 
+def backward_and_forward(run_backward, run_forward, verify_forward, forward_flops):
+    """attnkit's backward (what the ratios are against) and its forward on the same inputs
+    (reference role, its own verification and FLOPs), both on the active ISA."""
+    import attnkit
+
+    best = attnkit.get_isa()
+    return [Contender("attnkit", "attnkit", run_backward, prepare=lambda: attnkit.set_isa(best),
+                      set_threads=attnkit.set_num_threads, note=f"backward, isa {best}"),
+            Contender("attnkit-forward", "reference", run_forward, prepare=lambda: attnkit.set_isa(best),
+                      set_threads=attnkit.set_num_threads, note="forward: ratio = forward / backward",
+                      verify=verify_forward, compare_to="", flops=forward_flops)]
+
+
 class BackwardOp(AttentionOp):
     name = "backward"
     description = "attention backward (attnkit.attention_backward vs its forward and torch SDPA's backward)"
@@ -176,7 +189,6 @@ class BackwardOp(AttentionOp):
         import attnkit
 
         s = case.shape
-        best = attnkit.get_isa()
         notes = []
         forward_flops = super().counts(case).flops  # the forward's two products, not the five
 
@@ -187,12 +199,8 @@ class BackwardOp(AttentionOp):
         def run_forward(x):
             return attnkit.attention(x.q, x.k, x.v, causal=s.causal, enable_gqa=s.gqa)
 
-        out = [Contender("attnkit", "attnkit", run_backward, prepare=lambda: attnkit.set_isa(best),
-                         set_threads=attnkit.set_num_threads, note=f"backward, isa {best}"),
-               Contender("attnkit-forward", "reference", run_forward, prepare=lambda: attnkit.set_isa(best),
-                         set_threads=attnkit.set_num_threads, note="forward: ratio = forward / backward",
-                         verify=lambda ref, got: self.verify_forward(case, ref, got), compare_to="",
-                         flops=forward_flops)]
+        out = backward_and_forward(run_backward, run_forward, lambda ref, got: self.verify_forward(case, ref, got),
+                                   forward_flops)
         torch = optional_torch()
         if torch is None:
             notes.append("torch-sdpa-backward: skipped (torch is not importable)")
@@ -231,25 +239,10 @@ class VarlenBackwardInputs(VarlenInputs):
     def torch_graph(self, s):
         if self.graph is None:
             torch = optional_torch()
-            lengths, smax = np.diff(self.cu), int(np.diff(self.cu).max())
-            B = len(lengths)
-
-            def pad(a, h):
-                p = torch.zeros((B, smax, h, s.D), dtype=_torch_view(a).dtype)
-                for b in range(B):
-                    p[b, :lengths[b]] = _torch_view(a[self.cu[b]:self.cu[b + 1]])
-                return p.transpose(1, 2)
-
-            valid = torch.from_numpy(np.arange(smax)[None, :] < lengths[:, None])
-            mask = valid[:, None, None, :] & valid[:, None, :, None]
-            if s.causal:
-                mask = mask & torch.ones(smax, smax, dtype=torch.bool).tril()
-            # padded query rows see every key (no empty softmax row); their dout is zero
-            mask = mask | ~valid[:, None, :, None]
-            index = torch.from_numpy(np.concatenate([b * smax + np.arange(n) for b, n in enumerate(lengths)]))
-            leaves = [pad(a, h).requires_grad_() for a, h in ((self.q, s.Hq), (self.k, s.Hkv), (self.v, s.Hkv))]
+            (q, k, v, dout), mask, index = padded_batch(torch, self, s, (self.q, self.k, self.v, self.dout))
+            leaves = [t.requires_grad_() for t in (q, k, v)]
             out = torch.nn.functional.scaled_dot_product_attention(*leaves, attn_mask=mask, enable_gqa=s.Hq != s.Hkv)
-            self.graph = (leaves, out, pad(self.dout, s.Hq), index)
+            self.graph = (leaves, out, dout, index)
         return self.graph
 
 
@@ -327,7 +320,6 @@ class VarlenBackwardOp(VarlenOp):
         import attnkit
 
         s = case.shape
-        best = attnkit.get_isa()
         notes = []
         forward_flops = VarlenOp.counts(self, case).flops  # the forward's two products
 
@@ -339,12 +331,8 @@ class VarlenBackwardOp(VarlenOp):
         def run_forward(x):
             return attnkit.varlen_attention(x.q, x.k, x.v, x.cu, x.cu, causal=s.causal, out=x.out)
 
-        out = [Contender("attnkit", "attnkit", run_backward, prepare=lambda: attnkit.set_isa(best),
-                         set_threads=attnkit.set_num_threads, note=f"backward, isa {best}"),
-               Contender("attnkit-forward", "reference", run_forward, prepare=lambda: attnkit.set_isa(best),
-                         set_threads=attnkit.set_num_threads, note="forward: ratio = forward / backward",
-                         verify=lambda ref, got: self.verify_forward(case, ref, got), compare_to="",
-                         flops=forward_flops)]
+        out = backward_and_forward(run_backward, run_forward, lambda ref, got: self.verify_forward(case, ref, got),
+                                   forward_flops)
         notes.append("attnkit and attnkit-forward write into preallocated dq, dk, dv and out, as an engine or "
                      "training loop reusing its buffers does; torch's backward allocates its gradients")
         torch = optional_torch()
