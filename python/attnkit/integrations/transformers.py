@@ -65,16 +65,19 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 
 
 def _dense(query, key, value, mask, causal, scaling, dropout, gqa, out_shape):
-    """One attention call, output written in place in [B, S, H, Dv]. A batch whose mask only
-    pads keys on the right (an encoder's padded batch) runs as a varlen batch that never
-    reads the padding; anything else attends densely through the mask. Training takes the
-    dense path and returns a new tensor (autograd records no out= call)."""
+    """One attention call, output in [B, S, H, Dv]. A batch whose mask only pads keys on the
+    right (an encoder's padded batch) runs as a varlen batch that never reads the padding
+    (training too, through varlen's backward, unless there is dropout); anything else attends
+    densely through the mask. Inference writes the output in place; training returns a new
+    tensor (autograd records no out= call)."""
+    lengths = None if causal or dropout else _right_padding(mask)
     if needs_backward(query, key, value):
+        if lengths is not None:
+            return _skip_padding(query, key, value, lengths, scaling).view(out_shape)
         out = attnkit.attention(query, key, value, attn_mask=mask, causal=causal, scale=scaling,
                                 dropout_p=float(dropout), seed=dropout_seed(dropout), enable_gqa=gqa)
         return out.transpose(1, 2).contiguous()
     out = query.new_empty(out_shape)  # [B, S, H, Dv]: transformers' layout, written in place
-    lengths = None if causal or dropout else _right_padding(mask)
     if lengths is not None:
         _skip_padding(query, key, value, lengths, scaling, out)
         return out
@@ -105,10 +108,11 @@ def _right_padding(mask):
     return lengths
 
 
-def _skip_padding(query, key, value, lengths, scaling, out):
+def _skip_padding(query, key, value, lengths, scaling, out=None):
     """Non-causal attention of every query of sequence b over its first lengths[b] keys, as
     attnkit.varlen_attention over the tensors in place: the padding keys of each sequence
-    form a sequence of their own with no queries, so nothing is copied or computed for them."""
+    form a sequence of their own with no queries, so nothing is copied or computed for them
+    (and their gradient is zero). Into out ([B, S, H, Dv]), or a new [B·S, H, Dv] tensor."""
     B, Hq, Sq, D = query.shape
     Hkv, Skv, Dv = key.shape[1], key.shape[2], value.shape[-1]
     q = query.transpose(1, 2).reshape(B * Sq, Hq, D)  # a view for transformers' [B, S, H, D] storage
@@ -118,8 +122,8 @@ def _skip_padding(query, key, value, lengths, scaling, out):
     cu_k = torch.stack([starts * Skv, starts * Skv + lengths], dim=1).reshape(-1)
     cu_q = torch.stack([starts * Sq, starts * Sq + Sq], dim=1).reshape(-1)
     end = torch.tensor([B], dtype=torch.int32)
-    attnkit.varlen_attention(q, k, v, torch.cat([cu_q, end * Sq]), torch.cat([cu_k, end * Skv]), scale=scaling,
-                             out=out.view(B * Sq, Hq, Dv))
+    return attnkit.varlen_attention(q, k, v, torch.cat([cu_q, end * Sq]), torch.cat([cu_k, end * Skv]),
+                                    scale=scaling, out=None if out is None else out.view(B * Sq, Hq, Dv))
 
 
 def register():
