@@ -381,7 +381,7 @@ class Backward {
         j0[g] = (kb0 + g) * kKeyBlock, bc[g] = std::min(kKeyBlock, p_.Skv - j0[g]);
         const PackedKeys& keys = w.keys[g];
         pack_kv(b, kvh, j0[g], bc[g], keys);
-        std::memset(keys.dk, 0, sizeof(float) * kKeyBlock * (plan_.d_pad + plan_.dv_pad));  // dK and dV
+        zero_grads(keys, bc[g]);
       }
       // The rows any of the blocks sees: from the first block's first row to the last block's
       // end (both grow with the keys); a block given rows it does not see adds zeros.
@@ -407,8 +407,9 @@ class Backward {
         const float* dk = keys.dk;
         const float* dv = keys.dv;
         if (plan_.tiles) {  // dKᵀ and dVᵀ back to rows, into K's and V's fp32 rows (done with)
-          transpose_matrix(keys.dk, kKeyBlock, plan_.d_pad, kKeyBlock, keys.k, plan_.d_pad);
-          transpose_matrix(keys.dv, kKeyBlock, plan_.dv_pad, kKeyBlock, keys.v, plan_.dv_pad);
+          const int64_t width = key_width(bc[g]);
+          transpose_matrix(keys.dk, kKeyBlock, plan_.d_pad, width, keys.k, plan_.d_pad);
+          transpose_matrix(keys.dv, kKeyBlock, plan_.dv_pad, width, keys.v, plan_.dv_pad);
           dk = keys.k, dv = keys.v;
         }
         store_rows(dk, plan_.d_pad, p_.D, p_.scale, static_cast<E*>(bp_.dk), bp_.dk_stride, b, kvh, j0[g], bc[g]);
@@ -445,20 +446,39 @@ class Backward {
     return dq_partial_ + plan_.dq_offset[s] + ((b * p_.Hq + h) * (p_.Sq - first) + i - first) * plan_.d_pad;
   }
 
-  // K and V rows j0 .. j0+bc-1 as fp32 rows, zero-padded to kKeyBlock rows, and transposed
-  // (bf16 pairs of both, and K's rows in key pairs, where pairs are used).
+  // The keys of a block of bc that the products read: its first key_width(bc), whole vectors
+  // (they stop at the last key a row sees, rounded up to a vector). A short block (a short
+  // sequence of a varlen batch) packs and zeroes only those, not all kKeyBlock.
+  static int64_t key_width(int64_t bc) { return round_up(bc, kLanes); }
+
+  // K and V rows j0 .. j0+bc-1 as fp32 rows, zero-padded to key_width(bc) rows, and
+  // transposed (bf16 pairs of both, and K's rows in key pairs, where pairs are used).
   void pack_kv(int64_t b, int64_t kvh, int64_t j0, int64_t bc, const PackedKeys& keys) const {
     const E* k = static_cast<const E*>(p_.k) + b * p_.k_stride[0] + kvh * p_.k_stride[1];
     const E* v = static_cast<const E*>(p_.v) + b * p_.v_stride[0] + kvh * p_.v_stride[1];
-    pack_rows(k + j0 * p_.k_stride[2], p_.k_stride[2], p_.k_stride[3], bc, kKeyBlock, p_.D, plan_.d_pad, keys.k);
-    pack_rows(v + j0 * p_.v_stride[2], p_.v_stride[2], p_.v_stride[3], bc, kKeyBlock, p_.Dv, plan_.dv_pad, keys.v);
-    transpose_matrix(keys.k, plan_.d_pad, kKeyBlock, plan_.d_pad, keys.kt, kKeyBlock);
-    transpose_matrix(keys.v, plan_.dv_pad, kKeyBlock, plan_.dv_pad, keys.vt, kKeyBlock);
+    const int64_t width = key_width(bc);
+    pack_rows(k + j0 * p_.k_stride[2], p_.k_stride[2], p_.k_stride[3], bc, width, p_.D, plan_.d_pad, keys.k);
+    pack_rows(v + j0 * p_.v_stride[2], p_.v_stride[2], p_.v_stride[3], bc, width, p_.Dv, plan_.dv_pad, keys.v);
+    transpose_matrix(keys.k, plan_.d_pad, width, plan_.d_pad, keys.kt, kKeyBlock);
+    transpose_matrix(keys.v, plan_.dv_pad, width, plan_.dv_pad, keys.vt, kKeyBlock);
     if (plan_.pairs) {  // exact: the values are bf16 already
-      pair_rows_bf16(keys.kt, p_.D, kKeyBlock, keys.kt_pairs);
-      pair_rows_bf16(keys.vt, p_.Dv, kKeyBlock, keys.vt_pairs);
-      pair_rows_bf16(keys.k, kKeyBlock, plan_.d_pad, keys.k_rows);
+      pair_rows_bf16(keys.kt, p_.D, kKeyBlock, keys.kt_pairs, width);
+      pair_rows_bf16(keys.vt, p_.Dv, kKeyBlock, keys.vt_pairs, width);
+      pair_rows_bf16(keys.k, width, plan_.d_pad, keys.k_rows);
     }
+  }
+
+  // dK and dV of a block of bc keys zero where the products add to them: the first
+  // key_width(bc) rows (with tiles, columns of dKᵀ and dVᵀ).
+  void zero_grads(const PackedKeys& keys, int64_t bc) const {
+    const int64_t width = key_width(bc);
+    if (!plan_.tiles) {
+      std::memset(keys.dk, 0, sizeof(float) * width * plan_.d_pad);
+      std::memset(keys.dv, 0, sizeof(float) * width * plan_.dv_pad);
+      return;
+    }
+    for (int64_t d = 0; d < plan_.d_pad; ++d) std::memset(keys.dk + d * kKeyBlock, 0, sizeof(float) * width);
+    for (int64_t d = 0; d < plan_.dv_pad; ++d) std::memset(keys.dv + d * kKeyBlock, 0, sizeof(float) * width);
   }
 
   // n bf16 rows as pairs along the row, (n_cols + 1) / 2 per row: the bits as stored where

@@ -378,11 +378,13 @@ inline vuint bf16_pairs_and_rows(vfloat lo, vfloat hi, uint16_t* lo_row, uint16_
 }
 
 // Rows 2i and 2i + 1 of an n-row fp32 matrix (rows of ld floats, ld a multiple of kLanes)
-// rounded to bf16 and paired into row i of dst, rows of ld pairs; an odd last row pairs with
-// zeros. dst may be src: each vector is read before its place is written.
-inline void pair_rows_bf16(const float* src, int64_t n, int64_t ld, uint32_t* dst) {
+// rounded to bf16 and paired into row i of dst, rows of ld pairs, their first `cols` columns
+// (a multiple of kLanes; all ld by default); an odd last row pairs with zeros. dst may be
+// src: each vector is read before its place is written.
+inline void pair_rows_bf16(const float* src, int64_t n, int64_t ld, uint32_t* dst, int64_t cols = -1) {
+  if (cols < 0) cols = ld;
   for (int64_t i = 0; i < (n + 1) / 2; ++i) {
-    for (int64_t c = 0; c < ld; c += kLanes) {
+    for (int64_t c = 0; c < cols; c += kLanes) {
       const vfloat lo = vload(src + 2 * i * ld + c);
       const vfloat hi = 2 * i + 1 < n ? vload(src + (2 * i + 1) * ld + c) : vfloat{};
       const vuint pair = round_to_bf16_bits(lo, kBf16QuietNan) | (round_to_bf16_bits(hi, kBf16QuietNan) << 16);
