@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 
 namespace attnkit {
 struct AttentionParams;
@@ -31,7 +32,8 @@ struct KernelTable {
   void (*v32_quantize)(const V32QuantizeParams& params);
   void (*indexer_logits)(const IndexerParams& params);
   void (*topk_select)(const TopkParams& params);
-  void (*attention_bwd)(const AttentionBackwardParams& params);
+  // Independent problems of one dtype (a dense call; the sequences of a varlen call).
+  void (*attention_bwd)(std::span<const AttentionBackwardParams> problems);
 };
 
 // Loops the benchmark uses to measure the machine (src/cpu/machine_probe.cpp). A peak loop

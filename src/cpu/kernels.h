@@ -2,6 +2,8 @@
 // KernelTable by src/cpu/kernel_table.cpp.
 #pragma once
 
+#include <span>
+
 #include "cpu/kernel_table.h"
 
 namespace attnkit::cpu::ATTNKIT_ISA {
@@ -15,6 +17,6 @@ void mla_decode_fwd(const MlaDecodeParams& params);
 void v32_quantize(const V32QuantizeParams& params);
 void indexer_logits(const IndexerParams& params);
 void topk_select(const TopkParams& params);
-void attention_bwd(const AttentionBackwardParams& params);
+void attention_bwd(std::span<const AttentionBackwardParams> problems);
 
 }  // namespace attnkit::cpu::ATTNKIT_ISA

@@ -87,7 +87,7 @@ void attention_backward(const AttentionBackwardArgs& a) {
     for (int64_t h = 0; p.dsinks && h < f.Hq; ++h) p.dsinks[h * p.dsinks_stride] = 0.0f;
     return;
   }
-  detail::kernels().attention_bwd(p);
+  detail::kernels().attention_bwd({&p, 1});
 }
 
 }  // namespace attnkit

@@ -289,18 +289,22 @@ void varlen_attention_backward(const VarlenAttentionBackwardArgs& a) {
     p.dlse = static_cast<const float*>(a.dlse->data);
     p.dlse_stride[0] = 0, p.dlse_stride[1] = a.dlse->strides[1], p.dlse_stride[2] = a.dlse->strides[0];
   }
-  // Each sequence's sink gradient into its own row, then summed over the sequences in order.
-  std::vector<float> seq_dsinks(a.dsinks ? hq : 0);
-  std::vector<double> dsinks(seq_dsinks.size(), 0.0);
-  for (int64_t b = 0; b + 1 < static_cast<int64_t>(cu_q.size()); ++b) {
+  // Every non-empty sequence a problem of its own; each sequence's sink gradient into its own
+  // row, then summed over the sequences in order.
+  const int64_t batch = static_cast<int64_t>(cu_q.size()) - 1;
+  std::vector<AttentionBackwardParams> sequences;
+  std::vector<float> seq_dsinks(a.dsinks ? batch * hq : 0);
+  for (int64_t b = 0; b < batch; ++b) {
     AttentionBackwardParams s = sequence_view(p, cu_q, cu_k, b);
     if (s.fwd.Sq == 0 && s.fwd.Skv == 0) continue;
-    if (a.dsinks) s.dsinks = seq_dsinks.data(), s.dsinks_stride = 1;
-    detail::kernels().attention_bwd(s);
-    for (size_t h = 0; h < seq_dsinks.size(); ++h) dsinks[h] += seq_dsinks[h];
+    if (a.dsinks) s.dsinks = seq_dsinks.data() + b * hq, s.dsinks_stride = 1;
+    sequences.push_back(s);
   }
-  for (size_t h = 0; h < dsinks.size(); ++h) {
-    static_cast<float*>(a.dsinks->data)[h * a.dsinks->strides[0]] = static_cast<float>(dsinks[h]);
+  detail::kernels().attention_bwd(sequences);
+  for (int64_t h = 0; a.dsinks && h < hq; ++h) {
+    double sum = 0.0;
+    for (int64_t b = 0; b < batch; ++b) sum += seq_dsinks[b * hq + h];
+    static_cast<float*>(a.dsinks->data)[h * a.dsinks->strides[0]] = static_cast<float>(sum);
   }
 }
 

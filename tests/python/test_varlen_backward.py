@@ -163,10 +163,14 @@ def test_empty(rng):
         check_mod_grads(got, varlen_grad_ref(q, k, v, dout, cq, ck, True, sinks=s), "float32")
 
 
+# Long sequences share each one's passes between the threads; many short ones (a few query
+# rows and keys) run whole, one per thread, side by side; the second batch mixes both.
+@pytest.mark.parametrize("lengths", [([130, 1, 269], [500, 20, 380]),
+                                     ([5, 0, 17, 3, 600, 9, 1, 12, 0, 30], [5, 4, 17, 8, 620, 9, 2, 40, 0, 30])])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_bitwise_across_threads(rng, restore_runtime, dtype):
-    cu_q, cu_k = np.array([0, 130, 131, 400], np.int32), np.array([0, 500, 520, 900], np.int32)
-    q, k, v = randn(rng, (400, 4, 64), dtype), randn(rng, (900, 1, 64), dtype), randn(rng, (900, 1, 64), dtype)
+def test_bitwise_across_threads(rng, restore_runtime, dtype, lengths):
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in lengths)
+    q, k, v = (randn(rng, (int(cu[-1]), h, 64), dtype) for cu, h in ((cu_q, 4), (cu_k, 1), (cu_k, 1)))
     sinks = randn(rng, (4,))
     out, lse = attnkit.varlen_attention(q, k, v, cu_q, cu_k, causal=True, return_lse=True, sinks=sinks)
     dout = randn(rng, out.shape, dtype)
