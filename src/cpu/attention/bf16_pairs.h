@@ -24,15 +24,15 @@ uint32_t AttentionTask<T, TK>::pair(uint16_t lo, uint16_t hi) {
 }
 
 // Qᵀ as bf16 pairs along D into w.qt: [p][r] = (q[r][2p], q[r][2p+1]), unscaled (the scale is
-// applied to the fp32 scores); odd D ends with a zero, padding rows are zero. Rows are
-// paired into w.k (free until the first key tile), then transposed.
+// applied to the fp32 scores), its first rb.cols columns; odd D ends with a zero, padding rows
+// are zero. Rows are paired into w.k (free until the first key tile), then transposed.
 template <DType T, DType TK>
 void AttentionTask<T, TK>::pack_qt_pairs(const RowBlock& rb, const Workspace& w) const {
   const int64_t pairs = (p_.D + 1) / 2, lds = round_up(pairs, kLanes);
   uint32_t* rows = reinterpret_cast<uint32_t*>(w.k);
-  std::memset(rows, 0, sizeof(uint32_t) * plan_.rows_pad * lds);
+  std::memset(rows, 0, sizeof(uint32_t) * rb.cols * lds);
   pair_q_rows(rb, lds, rows);
-  transpose_matrix(w.k, lds, plan_.rows_pad, lds, w.qt, plan_.rows_pad);
+  transpose_matrix(w.k, lds, rb.cols, lds, w.qt, plan_.rows_pad);
 }
 
 // Sᵀ = K · Qᵀ on bf16 pairs (K rows in place, a gemm per run, or copied as pairs), unscaled
@@ -47,12 +47,12 @@ void AttentionTask<T, TK>::qk_bf16(const RowBlock& rb, const KvRows<EK>& krows, 
   const uint32_t* qt = reinterpret_cast<const uint32_t*>(w.qt);
   if (rb.mode->k_in_place) {
     krows.for_each_run(j0, bc, [&](const EK* k, int64_t first, int64_t n) {
-      gemm_bf16<kDotWideRows, kDotWideVecs>(n, ld, pairs, reinterpret_cast<const uint32_t*>(k), krows.stride / 2,
-                                            1, qt, ld, w.st + first * ld, ld, false);
+      gemm_bf16<kDotWideRows, kDotWideVecs>(n, rb.cols, pairs, reinterpret_cast<const uint32_t*>(k),
+                                            krows.stride / 2, 1, qt, ld, w.st + first * ld, ld, false);
     });
   } else {
     uint32_t* keys = pack_key_pairs(krows, j0, bc, pairs, w);
-    gemm_bf16<kDotWideRows, kDotWideVecs>(bc, ld, pairs, keys, pairs, 1, qt, ld, w.st, ld, false);
+    gemm_bf16<kDotWideRows, kDotWideVecs>(bc, rb.cols, pairs, keys, pairs, 1, qt, ld, w.st, ld, false);
   }
 }
 
@@ -65,7 +65,7 @@ void AttentionTask<T, TK>::pv_bf16(const RowBlock& rb, const KvRows<EK>& vrows, 
                                    bool p_paired, const Workspace& w) const {
   const int64_t ld = plan_.rows_pad, dv_pad = plan_.dv_pad, pairs = (bc + 1) / 2;
   uint32_t* pp = reinterpret_cast<uint32_t*>(w.st);
-  if (!p_paired) pair_rows_bf16(w.st, bc, ld, pp);
+  if (!p_paired) pair_rows_bf16(w.st, bc, ld, pp, rb.cols);
 #if defined(ATTNKIT_ISA_avx512amx)
   if (plan_.amx) return pv_amx(rb, vrows, pp, j0, bc, w);
 #endif
@@ -328,7 +328,7 @@ void AttentionTask<T, TK>::pv_pairs(const RowBlock& rb, const uint32_t* pp, cons
                                     const Workspace& w) const {
   const int64_t ld = plan_.rows_pad, dv_pad = plan_.dv_pad;
   if (o_transposed(rb)) {
-    gemm_bf16<kDotWideRows, kDotWideVecs>(dv_pad, ld, pairs, vp, 1, dv_pad, pp, ld, w.ot, ld, true);
+    gemm_bf16<kDotWideRows, kDotWideVecs>(dv_pad, rb.cols, pairs, vp, 1, dv_pad, pp, ld, w.ot, ld, true);
   } else {
     gemm_bf16<kTallRows, kTallVecs>(rb.rows, dv_pad, pairs, pp, 1, ld, vp, dv_pad, w.o, dv_pad, true);
   }

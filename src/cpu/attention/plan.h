@@ -397,6 +397,10 @@ struct Workspace {
 // scale multiplies q·k (the softmax scale times the cache's k_scale), v_scale the output.
 struct RowBlock {
   int64_t b, kvh, h0, nh, i0, nq, rows;
+  // Columns of the tile loop's transposed tiles (Qᵀ, Sᵀ, Oᵀ; rows_pad apart): the rows up to
+  // a whole vector, so a short block (a short sequence's last) multiplies no padding rows;
+  // all rows_pad on AMX tiles and in sage, whose tiles and codes take whole blocks.
+  int64_t cols;
   int64_t row0, skv, offset;
   float scale, v_scale;
   const Mode* mode;  // how it runs (Plan::mode)

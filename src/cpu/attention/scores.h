@@ -54,7 +54,7 @@ void AttentionTask<T, TK>::apply_score_mods(const RowBlock& rb, int64_t j0, int6
   const float* const slopes = p_.alibi_slopes;
   if (softcap == 0.0f && !slopes) return;
   const bool transposed = st.row_stride == 1;  // Sᵀ of the tile loop, rows along the lanes
-  const int64_t rows = transposed ? plan_.rows_pad : rb.rows;
+  const int64_t rows = transposed ? rb.cols : rb.rows;
   if (slopes) {  // per row (head hh, position i0 + ii): its slope, and a - j0 (exact in float below 2^24)
     for (int64_t hh = 0, r = 0; hh < rb.nh; ++hh) {
       const float slope = slopes[rb.b * p_.alibi_stride[0] + (rb.h0 + hh) * p_.alibi_stride[1]];

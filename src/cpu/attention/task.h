@@ -47,6 +47,7 @@ class AttentionTask {
     const int64_t nh_left = (rb.kvh + 1) * p_.group - rb.h0;
     rb.nh = nh_left < plan_.heads_per_task ? nh_left : plan_.heads_per_task;
     rb.rows = rb.nh * rb.nq;
+    rb.cols = plan_.amx || plan_.int8 ? plan_.rows_pad : round_up(rb.rows, kLanes);
     rb.mode = &plan_.mode(rb.rows);
     rb.scale = p_.scale * (p_.k_scale ? p_.k_scale[rb.kvh * p_.k_scale_stride] : 1.0f);
     rb.v_scale = p_.v_scale ? p_.v_scale[rb.kvh * p_.v_scale_stride] : 1.0f;

@@ -62,17 +62,17 @@ void AttentionTask<T, TK>::attend(const RowBlock& rb, int64_t begin, int64_t end
       if (!fused_pairs) scale_row(w.st, bc * ld, rb.scale);
     } else if (rb.mode->k_in_place) {  // Sᵀ = K · Qᵀ, a gemm per run of rows at one stride
       krows.for_each_run(j0, bc, [&](const EK* k, int64_t first, int64_t n) {
-        gemm_wide(n, ld, p_.D, reinterpret_cast<const float*>(k), krows.stride, 1, w.qt, ld, w.st + first * ld, ld,
-                  false);
+        gemm_wide(n, rb.cols, p_.D, reinterpret_cast<const float*>(k), krows.stride, 1, w.qt, ld, w.st + first * ld,
+                  ld, false);
       });
     } else {
       pack_rows(krows, j0, bc, p_.k_stride[3], p_.D, p_.D, w.k);
-      gemm_wide(bc, ld, p_.D, w.k, p_.D, 1, w.qt, ld, w.st, ld, false);
+      gemm_wide(bc, rb.cols, p_.D, w.k, p_.D, 1, w.qt, ld, w.st, ld, false);
     }
     apply_score_mods(rb, j0, bc, scores, w);
     apply_masks(rb, j0, bc, scores);
     if (fused_pairs) {
-      online_softmax_tile_bf16_pairs(w.st, bc, ld, ld, softmax_scale, w.m, w.l, w.alpha);
+      online_softmax_tile_bf16_pairs(w.st, bc, ld, rb.cols, softmax_scale, w.m, w.l, w.alpha);
       if (j0 != begin) rescale_output(rb, w);  // the first tile's O is zero
       pv_bf16(rb, vrows, j0, bc, true, w);
       continue;
@@ -81,7 +81,7 @@ void AttentionTask<T, TK>::attend(const RowBlock& rb, int64_t begin, int64_t end
       pv_int8(rb, j0, bc, w);
       continue;
     }
-    online_softmax_tile(w.st, bc, ld, ld, w.m, w.l, w.alpha);
+    online_softmax_tile(w.st, bc, ld, rb.cols, w.m, w.l, w.alpha);
     if (j0 != begin) rescale_output(rb, w);
     if (p_.dropout_p > 0.0f) apply_dropout(rb, j0, bc, scores);
     if (rb.mode->pv_bf16) {
@@ -90,7 +90,7 @@ void AttentionTask<T, TK>::attend(const RowBlock& rb, int64_t begin, int64_t end
       accumulate_pv(rb, vrows, j0, bc, scores, w);
     }
   }
-  if (transposed) transpose_matrix(w.ot, ld, plan_.dv_pad, ld, w.o, plan_.dv_pad);
+  if (transposed) transpose_matrix(w.ot, ld, plan_.dv_pad, rb.cols, w.o, plan_.dv_pad);
 }
 
 // Whether the tile loop accumulates Oᵀ [dv_pad][rows_pad] (in w.ot; attend transposes it
@@ -115,7 +115,7 @@ void AttentionTask<T, TK>::rescale_output(const RowBlock& rb, const Workspace& w
     bool moved = false;
     for (int64_t r = 0; r < rb.rows; ++r) moved |= w.alpha[r] != 1.0f;
     if (!moved) return;
-    for (int64_t c = 0; c < ld; c += kLanes) {
+    for (int64_t c = 0; c < rb.cols; c += kLanes) {
       const vfloat a = vload(w.alpha + c);
       for (int64_t d = 0; d < plan_.dv_pad; ++d) vstore(w.ot + d * ld + c, vload(w.ot + d * ld + c) * a);
     }
@@ -137,7 +137,7 @@ void AttentionTask<T, TK>::accumulate_pv(const RowBlock& rb, const KvRows<EK>& v
     const float* pf = p.s + first * p.key_stride;
     if (o_transposed(rb)) {  // Oᵀ += Vᵀ · Pᵀ (V is fp32 here)
       if constexpr (std::is_same_v<std::remove_cv_t<std::remove_pointer_t<decltype(v)>>, float>) {
-        gemm_wide(plan_.dv_pad, plan_.rows_pad, n, v, 1, ldv, pf, p.key_stride, w.ot, plan_.rows_pad, true);
+        gemm_wide(plan_.dv_pad, rb.cols, n, v, 1, ldv, pf, p.key_stride, w.ot, plan_.rows_pad, true);
       }
     } else if (rb.mode->key_blocks) {
       gemm<kRowRows, kRowVecs>(rb.rows, plan_.dv_pad, n, pf, p.row_stride, p.key_stride, v, ldv, w.o,
@@ -164,15 +164,15 @@ void AttentionTask<T, TK>::accumulate_pv(const RowBlock& rb, const KvRows<EK>& v
   }
 }
 
-// Qᵀ [D][rows_pad], pre-multiplied by the softmax scale; padding rows are zero. Rows are
-// converted into w.k (free until the first key tile), then transposed.
+// Qᵀ [D][rows_pad] (its first rb.cols columns), pre-multiplied by the softmax scale; padding
+// rows are zero. Rows are converted into w.k (free until the first key tile), then transposed.
 template <DType T, DType TK>
 void AttentionTask<T, TK>::pack_qt(const RowBlock& rb, const Workspace& w) const {
   const int64_t lds = plan_.d_pad;
-  std::memset(w.k, 0, sizeof(float) * plan_.rows_pad * lds);
+  std::memset(w.k, 0, sizeof(float) * rb.cols * lds);
   for (int64_t r = 0; r < rb.rows; ++r)
     load_row<T>(q_row(rb, r), p_.q_stride[3], p_.D, rb.scale, w.k + r * lds);
-  transpose_matrix(w.k, lds, plan_.rows_pad, lds, w.qt, plan_.rows_pad);
+  transpose_matrix(w.k, lds, rb.cols, lds, w.qt, plan_.rows_pad);
 }
 
 // bf16 or fp8 V rows j0 .. j0+n-1 as bf16 rows [n][Dv] (an fp8 cache's converted exactly,
