@@ -885,15 +885,16 @@ void run_backward(std::span<const AttentionBackwardParams> problems) {
     workspace_floats = std::max(workspace_floats, plans.back().workspace_floats);
   }
   AlignedBuffer<float> workspace(workspace_floats * threads);
+  const int64_t n = static_cast<int64_t>(problems.size());
   auto work = [&](int64_t i) { return problems[i].fwd.B * problems[i].fwd.Hq * problems[i].fwd.Sq * problems[i].fwd.Skv; };
+  auto is_small = [&](int64_t i) { return threads > 1 && work(i) < kSerialWork; };
   std::vector<int64_t> small;  // run side by side, the most work first
-  for (int64_t i = 0; i < static_cast<int64_t>(problems.size()); ++i) {
-    if (threads > 1 && work(i) < kSerialWork) small.push_back(i);
+  for (int64_t i = 0; i < n; ++i) {
+    if (is_small(i)) small.push_back(i);
   }
   if (static_cast<int64_t>(small.size()) < 2 * threads) small.clear();
-  for (int64_t i = 0, k = 0; i < static_cast<int64_t>(problems.size()); ++i) {
-    if (k < static_cast<int64_t>(small.size()) && small[k] == i) ++k;
-    else run_problem<T>(problems[i], plans[i], workspace.data, workspace_floats, threads);
+  for (int64_t i = 0; i < n; ++i) {
+    if (small.empty() || !is_small(i)) run_problem<T>(problems[i], plans[i], workspace.data, workspace_floats, threads);
   }
   std::stable_sort(small.begin(), small.end(), [&](int64_t a, int64_t b) { return work(a) > work(b); });
   auto run_small = [&](int64_t k, int thread) {
