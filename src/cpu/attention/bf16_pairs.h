@@ -394,6 +394,7 @@ void AttentionTask<T, TK>::pv_row_pairs(const RowBlock& rb, const KvRows<EK>& vr
 template <DType T, DType TK>
 void AttentionTask<T, TK>::pair_q_rows(const RowBlock& rb, int64_t ld, uint32_t* rows) const {
   for (int64_t r = 0; r < rb.rows; ++r) {
+    prefetch_q_ahead(rb, r);
     pack_pairs(reinterpret_cast<const uint16_t*>(q_row(rb, r)), p_.q_stride[3], rows + r * ld);  // E is bf16
   }
 }

@@ -20,6 +20,7 @@ constexpr int64_t kKvTile = 128;           // keys per tile (a multiple of 4: on
 constexpr int64_t kMinSplitTiles = 4;      // a kv split covers at least this many tiles
 constexpr int64_t kMinParallelTasks = 16;  // fewer row blocks than this: split the keys
 constexpr int64_t kPrefetchRows = 32;      // packing asks for the row this far ahead (flat 16..64)
+constexpr int64_t kQueryRowsAhead = 8;     // Q's packers ask for the row this far ahead
 // Keys per decode block (scores, softmax, P·V); 2 and 4 vectors measured slower out of cache.
 constexpr int64_t kDecodeKeys = kLanes;
 // Query rows per task (heads of a group × positions): a multiple of 16 (the Kᵀ·Q tile's

@@ -39,6 +39,7 @@ void AttentionTask<T, TK>::pack_q_int8(const RowBlock& rb, const Workspace& w) c
 #endif
   // Row r's codes into Qᵀ (staged on avx512bf16), its scale and code sum.
   auto quantize_row = [&](int64_t r) {
+    prefetch_q_ahead(rb, r);
     load_row<T>(q_row(rb, r), p_.q_stride[3], p_.D, 1.0f, row);
     for (int64_t d = p_.D; d < plan_.d_pad; ++d) row[d] = 0.0f;
     // max |q| on the bits: for sign-cleared floats integer order is float order, and NaN

@@ -28,6 +28,8 @@ void AttentionTask<T, TK>::attend(const RowBlock& rb, int64_t begin, int64_t end
 #endif
   const int64_t ld = plan_.rows_pad;
   const Scores scores{w.st, ld, 1};
+  const KvRows<EK> krows = kv_rows(p_.k, p_.k_stride, rb), vrows = kv_rows(p_.v, p_.v_stride, rb);
+  if (end - begin <= plan_.key_tile) prefetch_key_tile(krows, vrows, begin, end);
   if (plan_.int8) {
     pack_q_int8(rb, w);
   } else if (plan_.bf16_dot) {
@@ -43,7 +45,6 @@ void AttentionTask<T, TK>::attend(const RowBlock& rb, int64_t begin, int64_t end
   }
   for (int64_t r = 0; r < ld; ++r) w.m[r] = -INFINITY, w.l[r] = 0.0f;
 
-  const KvRows<EK> krows = kv_rows(p_.k, p_.k_stride, rb), vrows = kv_rows(p_.v, p_.v_stride, rb);
   // P·V on bf16 pairs with nothing between the scores and the softmax but -inf masks: the
   // softmax writes P as bf16 pairs, and for bf16 pairs applies the scale (masks commute with a
   // positive one); sage's logits come scaled.
@@ -91,6 +92,22 @@ void AttentionTask<T, TK>::attend(const RowBlock& rb, int64_t begin, int64_t end
     }
   }
   if (transposed) transpose_matrix(w.ot, ld, plan_.dv_pad, rb.cols, w.o, plan_.dv_pad);
+}
+
+// A key range of one tile (a short sequence's) is read right after Q's pack: its K and V rows
+// (those of unit element stride the tile reads from the inputs: not sage's codes, not V's
+// prepared pairs) are asked for into L2 first. Varlen, 64 sequences of 8-128 tokens (Zen 4,
+// one thread, with Q's rows read ahead): 0.84 (bf16) / 0.86 (fp32) of the time at D 32,
+// 0.96 / 0.98 at D 128; into L1, bf16 0.87 / 0.98 and fp32 no gain.
+template <DType T, DType TK>
+void AttentionTask<T, TK>::prefetch_key_tile(const KvRows<EK>& krows, const KvRows<EK>& vrows, int64_t begin,
+                                             int64_t end) const {
+  const int64_t k_bytes = plan_.int8 || p_.k_stride[3] != 1 ? 0 : int64_t{sizeof(EK)} * p_.D;
+  const int64_t v_bytes = plan_.pv_int8 || v_pairs_ || p_.v_stride[3] != 1 ? 0 : int64_t{sizeof(EK)} * p_.Dv;
+  for (int64_t j = begin; j < end; ++j) {
+    prefetch_bytes(krows.row(j), 0, k_bytes, Cache::l2);
+    prefetch_bytes(vrows.row(j), 0, v_bytes, Cache::l2);
+  }
 }
 
 // Whether the tile loop accumulates Oᵀ [dv_pad][rows_pad] (in w.ot; attend transposes it
@@ -170,8 +187,10 @@ template <DType T, DType TK>
 void AttentionTask<T, TK>::pack_qt(const RowBlock& rb, const Workspace& w) const {
   const int64_t lds = plan_.d_pad;
   std::memset(w.k, 0, sizeof(float) * rb.cols * lds);
-  for (int64_t r = 0; r < rb.rows; ++r)
+  for (int64_t r = 0; r < rb.rows; ++r) {
+    prefetch_q_ahead(rb, r);
     load_row<T>(q_row(rb, r), p_.q_stride[3], p_.D, rb.scale, w.k + r * lds);
+  }
   transpose_matrix(w.k, lds, rb.cols, lds, w.qt, plan_.rows_pad);
 }
 
