@@ -289,6 +289,11 @@ class Backward {
     const float sink = p_.sinks ? p_.sinks[h * p_.sinks_stride] : 0.0f;
     double dsink = 0.0;
     for (int64_t i = 0; i < p_.Sq; ++i) {
+      if (i + kRowsAhead < p_.Sq) {
+        read_ahead(dout + i * bp_.dout_stride[2], bp_.dout_stride[2], bp_.dout_stride[3], p_.Dv);
+        read_ahead(out + i * p_.out_stride[2], p_.out_stride[2], p_.out_stride[3], p_.Dv);
+        if (plan_.pairs) read_ahead(q + i * p_.q_stride[2], p_.q_stride[2], p_.q_stride[3], p_.D);
+      }
       load_row<T>(dout + i * bp_.dout_stride[2], bp_.dout_stride[3], p_.Dv, 1.0f, g);
       std::memset(g + p_.Dv, 0, sizeof(float) * (plan_.dv_pad - p_.Dv));
       load_row<T>(out + i * p_.out_stride[2], p_.out_stride[3], p_.Dv, 1.0f, o);
@@ -502,11 +507,19 @@ class Backward {
     }
   }
 
+  // Asks for the row kRowsAhead rows after `row` (of unit element stride): the passes read
+  // the rows of Q, dO, O, K and V once each, in order, and a short sequence's lie in no cache.
+  static void read_ahead(const E* row, int64_t row_stride, int64_t col_stride, int64_t cols) {
+    if (col_stride == 1) prefetch_bytes(row, kRowsAhead * row_stride * int64_t{sizeof(E)}, cols * int64_t{sizeof(E)});
+  }
+  static constexpr int64_t kRowsAhead = 8;
+
   // n rows (row_stride apart, elements col_stride apart) of `cols` elements into dst
   // [rows][ld], zero beyond: rows n .. rows-1 and columns cols .. ld-1.
   static void pack_rows(const E* src, int64_t row_stride, int64_t col_stride, int64_t n, int64_t rows,
                         int64_t cols, int64_t ld, float* dst) {
     for (int64_t r = 0; r < n; ++r) {
+      if (r + kRowsAhead < n) read_ahead(src + r * row_stride, row_stride, col_stride, cols);
       load_row<T>(src + r * row_stride, col_stride, cols, 1.0f, dst + r * ld);
       std::memset(dst + r * ld + cols, 0, sizeof(float) * (ld - cols));
     }
