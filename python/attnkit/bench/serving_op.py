@@ -70,7 +70,12 @@ class ServingShape:
         return int(self.q_lens().max()) * (self.Hq // self.Hkv)
 
 
-VARLEN_SHAPES = {"R": ServingShape("R", 64, 16, 512, 0)}
+VARLEN_SHAPES = {
+    "R": ServingShape("R", 64, 16, 512, 0),
+    # a BERT-style encoder batch at all-MiniLM-L6-v2's attention dims (what the transformers
+    # integration sends for a right-padded batch)
+    "E": ServingShape("E", 64, 8, 128, 0, Hq=12, Hkv=12, D=32, causal=False),
+}
 PAGED_SHAPES = {
     "P16": ServingShape("P16", 16, 2048, 4096, 1, block_size=16, causal=True),
     "P128": ServingShape("P128", 16, 2048, 4096, 1, block_size=128, causal=True),
