@@ -62,8 +62,12 @@ constexpr int64_t kMaxRowBlock = std::max({kRowBlock, kTileRowBlock, kFp32RowBlo
 static_assert(kRowBlock % 2 == 0 && kFp32RowBlock % 2 == 0, "row blocks start on row pairs");
 // Key blocks packed and run together: each query block visits them one after the other, so
 // its partial dQ rows (and its Q and dO) are read from L3 once per group, not once per key
-// block (the dQ rows' L3 round trips alone took ~9% of the call at shape A).
-constexpr int64_t kKeyBlocksTogether = 2;
+// block (the dQ rows' L3 round trips alone took ~9% of the call at shape A). Two blocks'
+// state (K, Kᵀ, Vᵀ, dK, dV: ~1 MiB in fp32) already fills Zen 4's 1 MiB L2, so more per group
+// cost no more L2 misses and save query-side traffic: 4 against 2 (Z4, shape A, in one
+// process) 0.98 / 0.97 of the time at 1 / 2 threads in fp32, 0.98-0.99 in bf16; 6 the same
+// as 4, all 11 no better than 2, 1 slower (1.04 / 1.08); varlen batches unchanged.
+constexpr int64_t kKeyBlocksTogether = 4;
 constexpr int64_t kScoreRows = 32;  // rows of S and dP made and consumed at a time (even)
 // Rows of S and dP (and E, dropped P, tanh) held at once: on bf16 pairs one chunk's, reused by
 // the next (so they stay in L1; ~4% at shape A on X7); in fp32 the row block's, which the

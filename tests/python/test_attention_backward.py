@@ -589,14 +589,16 @@ def test_modifiers_random(dtype, seed):
 
 
 @pytest.mark.parametrize("B,H,Sq,Skv,causal,window", [
-    (2, 8, 800, 800, True, None),                 # one key split, three pairs of key blocks
-    (1, 4, 1200, 1100, "bottom_right", None),     # two splits of a pair and a block; rows 0-99 see no key
-    (1, 4, 1100, 1100, False, (200, 30)),         # a window: each pair sees a band of rows
+    (2, 8, 800, 800, True, None),                 # one key split: key blocks in a group of 4, then 1
+    (1, 8, 900, 1700, "bottom_right", None),      # groups of 4, 4 and 1; rows see keys from 800 on
+    (1, 4, 1200, 1100, "bottom_right", None),     # two splits of 3 blocks; rows 0-99 see no key
+    (1, 4, 1100, 1100, False, (200, 30)),         # a window: each group sees a band of rows
+    (1, 8, 1000, 1000, False, (300, 50)),         # a window over groups of 4 and 2
 ])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_long_keys_several_key_blocks_per_task(rng, dtype, B, H, Sq, Skv, causal, window):
-    """Tasks of several key blocks (192 keys each, run in pairs) and key splits whose partial
-    dQs are summed: the other tests' shapes have at most two key blocks."""
+    """Tasks of several key blocks (192 keys each, run in groups of up to 4) and key splits
+    whose partial dQs are summed: the other tests' shapes have at most two key blocks."""
     q, k, v = randn(rng, (B, H, Sq, 16), dtype), randn(rng, (B, H, Skv, 16), dtype), randn(rng, (B, H, Skv, 16), dtype)
     kw = dict(causal=causal, window=window)
     out, lse = forward(q, k, v, **kw)
