@@ -590,7 +590,7 @@ def test_modifiers_random(dtype, seed):
 
 @pytest.mark.parametrize("B,H,Sq,Skv,causal,window", [
     (2, 8, 800, 800, True, None),                 # one key split: key blocks in a group of 4, then 1
-    (1, 8, 900, 1700, "bottom_right", None),      # groups of 4, 4 and 1; rows see keys from 800 on
+    (1, 8, 900, 1700, "bottom_right", None),      # groups of 4, 4 and 1; query i sees keys up to i + 800
     (1, 4, 1200, 1100, "bottom_right", None),     # two splits of 3 blocks; rows 0-99 see no key
     (1, 4, 1100, 1100, False, (200, 30)),         # a window: each group sees a band of rows
     (1, 8, 1000, 1000, False, (300, 50)),         # a window over groups of 4 and 2
