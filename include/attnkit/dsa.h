@@ -33,8 +33,8 @@ struct MlaDecodeArgs {
 // attnkit::Error on invalid arguments.
 void flash_mla_with_kvcache(const MlaDecodeArgs& args);
 
-// FlashMLA's V3.2 quantiser: src [n, 576] bfloat16 or float32 -> dst [n, 656] uint8 (contiguous).
-void quantize_v32_kv(const TensorView& src, const TensorView& dst);
+// FlashMLA's V3.2 quantiser: kv [n, 576] bfloat16 or float32 -> dst [n, 656] uint8 (contiguous).
+void quantize_v32_kv(const TensorView& kv, const TensorView& dst);
 
 // DeepGEMM's fp8_mqa_logits (the lightning indexer over flat keys):
 // logits[t, s] = Σ_h weights[t, h] · ReLU(q[t, h] · kv[s]) · kv_scale[s] for ks[t] <= s < ke[t].

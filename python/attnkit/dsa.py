@@ -9,6 +9,7 @@ from . import _C
 from ._arrays import empty_like_kind, kind_of, typed, typed_or_none, typed_output
 
 V32_TOKEN_BYTES = 656  # 512 fp8 e4m3 + 4 fp32 scales (one per 128 values) + 64 bf16 rope
+INT32_MAX = 2**31 - 1
 
 
 def _check_kind(kind, named):
@@ -21,6 +22,16 @@ def _int(x, name):
     if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
         raise ValueError(f"{name} must be an int, got {type(x).__name__}")
     return int(x)
+
+
+def _topk_count(topk):
+    """topk checked before an output of that width is allocated (the op checks it again)."""
+    topk = _int(topk, "topk")
+    if topk < 1:
+        raise ValueError(f"topk must be >= 1, got {topk}")
+    if topk > INT32_MAX:
+        raise ValueError(f"topk must fit int32, got {topk}")
+    return topk
 
 
 def get_mla_metadata(*args, **kwargs):
@@ -93,7 +104,9 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
     if len(q.shape) != 4:
         raise ValueError(f"q must be a 4-d tensor [batch_size, seq_len_q, num_heads_q, head_dim], "
                          f"got {len(q.shape)}-d {list(q.shape)}")
-    b, s_q, h_q, _ = q.shape
+    b, s_q, h_q, d_qk = q.shape
+    if head_dim_v < 0:  # an output that wide cannot be allocated (the op checks the range, after FlashMLA's checks)
+        raise ValueError(f"head_dim_v must be in [1, head_dim={d_qk}], got {head_dim_v}")
     if out is None:
         out = empty_like_kind(kind, (b, s_q, h_q, head_dim_v), "bfloat16")
     lse = empty_like_kind(kind, (b, s_q, h_q), "float32")
@@ -131,10 +144,12 @@ def _torch_dsa():
 
 
 def run_mqa_logits(q, kv, kv_scale, weights, ks, ke, clean_logits, max_seqlen_k, logits, topk_indices):
-    _C.fp8_mqa_logits(typed(q, "q"), typed(kv, "kv"), typed(kv_scale, "kv_scale"), typed(weights, "weights"),
-                      typed(ks, "cu_seq_len_k_start"), typed(ke, "cu_seq_len_k_end"), bool(clean_logits),
-                      max_seqlen_k, None if logits is None else typed_output(logits, "logits"),
-                      None if topk_indices is None else typed_output(topk_indices, "topk_indices"))
+    _C.fp8_mqa_logits(typed(q, "q", "float8_e4m3fn"), typed(kv, "kv", "float8_e4m3fn"),
+                      typed(kv_scale, "kv_scale", "float32"), typed(weights, "weights", "float32"),
+                      typed(ks, "cu_seq_len_k_start", "int32"), typed(ke, "cu_seq_len_k_end", "int32"),
+                      bool(clean_logits), max_seqlen_k,
+                      None if logits is None else typed_output(logits, "logits", "float32"),
+                      None if topk_indices is None else typed_output(topk_indices, "topk_indices", "int32"))
 
 
 def _mqa_inputs(q, kv, weights, ks, ke):
@@ -195,12 +210,12 @@ def fp8_mqa_topk(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, topk, *, 
     break and -inf/NaN rule; bit-identical to it). A streaming selection keeps at most 2·topk
     candidates per row, so memory is O(seq_len · topk), not O(seq_len · seq_len_kv)."""
     kind, kv_fp8, kv_scale = _mqa_inputs(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end)
-    topk = _int(topk, "topk")
-    if topk < 1:
-        raise ValueError(f"topk must be >= 1, got {topk}")
+    topk = _topk_count(topk)
     _check_kind(kind, (("out", out),))
     if out is None:
         out = empty_like_kind(kind, (q.shape[0], topk), "int32")
+    elif tuple(out.shape) != (q.shape[0], topk):
+        raise ValueError(f"out must have shape [{q.shape[0]}, {topk}], got {list(out.shape)}")
     args = (q, kv_fp8, kv_scale, weights, cu_seq_len_k_start, cu_seq_len_k_end)
     if kind == "torch":
         _torch_dsa().mqa_topk(*args, out)
@@ -215,9 +230,11 @@ def get_paged_mqa_logits_metadata(*args, **kwargs):
 
 
 def run_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_context_len, clean_logits, out):
-    _C.fp8_paged_mqa_logits(typed(q, "q"), typed(kv_cache, "kv_cache"), typed(weights, "weights"),
-                            typed(context_lens, "context_lens"), typed(block_table, "block_table"),
-                            max_context_len, bool(clean_logits), typed_output(out, "logits"))
+    _C.fp8_paged_mqa_logits(typed(q, "q", "float8_e4m3fn"),
+                            typed(kv_cache, "kv_cache", "uint8 (or int8 / float8_e4m3fn bytes)"),
+                            typed(weights, "weights", "float32"), typed(context_lens, "context_lens", "int32"),
+                            typed(block_table, "block_table", "int32"), max_context_len, bool(clean_logits),
+                            typed_output(out, "logits", "float32"))
 
 
 def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta=None, max_context_len=None,
@@ -285,11 +302,11 @@ def _topk(logits, lengths, topk, row_starts=None, offsets=None, page_table=None,
     _check_kind(kind, (("lengths", lengths), ("row_starts", row_starts), ("offsets", offsets),
                        ("page_table", page_table), ("row_to_batch", row_to_batch), ("out", out)))
     kind_of(lengths, "lengths")
-    topk, page_size = _int(topk, "topk"), _int(page_size, "page_size")
+    topk, page_size = _topk_count(topk), _int(page_size, "page_size")
     if len(logits.shape) != 2:
         raise ValueError(f"logits must be a 2-d tensor [num_rows, max_len], got {len(logits.shape)}-d")
     if out is None:
-        out = empty_like_kind(kind, (logits.shape[0], max(topk, 0)), "int32")
+        out = empty_like_kind(kind, (logits.shape[0], topk), "int32")
     args = (logits, lengths, topk, row_starts, offsets, page_table, page_size, row_to_batch, out)
     if kind == "torch":
         _torch_dsa().topk(*args)
@@ -331,5 +348,6 @@ topk_page_table_transform.__doc__ = """Top-k with the PAGED transform: each sele
     physical slot page_table[row_to_batch[r], t // page_size] · page_size + t % page_size
     (page_size 1: SGLang's page_table_1 gather), -1 stays -1. page_table [batches,
     max_pages] int32; row_to_batch [num_rows] int32 (default: row r uses page_table row r);
-    lengths must fit in max_pages · page_size (FlashInfer's top_k_page_table_transform order,
-    plus page_size).""" + _TOPK_SEMANTICS
+    lengths must fit in max_pages · page_size, and every page a row's keys reach must hold an
+    id >= 0 whose slots fit int32 (FlashInfer's top_k_page_table_transform order, plus
+    page_size).""" + _TOPK_SEMANTICS

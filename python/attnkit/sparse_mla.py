@@ -40,7 +40,9 @@ def _shapes(q, d_v):
         raise ValueError(f"q must be a 3-d tensor [s_q, h_q, d_qk], got {len(q.shape)}-d {list(q.shape)}")
     if isinstance(d_v, bool) or not isinstance(d_v, int):
         raise ValueError(f"d_v must be an int, got {type(d_v).__name__}")
-    s_q, h_q, _ = q.shape
+    s_q, h_q, d_qk = q.shape
+    if d_v < 0:  # an output that wide cannot be allocated (the op checks the range, after peers' checks)
+        raise ValueError(f"d_v must be in [1, d_qk={d_qk}], got {d_v}")
     return (s_q, h_q, d_v), (s_q, h_q)
 
 

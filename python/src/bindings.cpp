@@ -390,8 +390,8 @@ void flash_mla_with_kvcache(const InArray& q, const InArray& k_cache, const std:
   run_op([&] { attnkit::flash_mla_with_kvcache(args); });
 }
 
-void quantize_v32_kv(const InArray& src, const OutArray& dst) {
-  const attnkit::TensorView s = to_view(src, "src"), d = to_view(dst, "dst");
+void quantize_v32_kv(const InArray& kv, const OutArray& dst) {
+  const attnkit::TensorView s = to_view(kv, "kv"), d = to_view(dst, "dst");
   run_op([&] { attnkit::quantize_v32_kv(s, d); });
 }
 
@@ -508,7 +508,7 @@ NB_MODULE(_C, m) {
   m.def("flash_mla_with_kvcache", &flash_mla_with_kvcache, "q"_a, "k_cache"_a, "block_table"_a.none(),
         "cache_seqlens"_a.none(), "head_dim_v"_a, "softmax_scale"_a.none(), "causal"_a, "is_fp8_kvcache"_a,
         "indices"_a.none(), "attn_sink"_a.none(), "topk_length"_a.none(), "out"_a, "lse"_a);
-  m.def("quantize_v32_kv", &quantize_v32_kv, "src"_a, "dst"_a);
+  m.def("quantize_v32_kv", &quantize_v32_kv, "kv"_a, "dst"_a);
   m.def("fp8_mqa_logits", &fp8_mqa_logits, "q"_a, "kv"_a, "kv_scale"_a, "weights"_a, "ks"_a, "ke"_a,
         "clean_logits"_a, "max_seqlen_k"_a, "logits"_a.none(), "topk_indices"_a.none());
   m.def("fp8_paged_mqa_logits", &fp8_paged_mqa_logits, "q"_a, "kv_cache"_a, "weights"_a, "context_lens"_a,

@@ -188,10 +188,14 @@ class Indexer {
                         + (kAmx ? d_pairs_ * kKeyTile : 0);      // the key tile's pairs (S = Q · Kᵀ)
   }
 
+  // Row r's first key as given (ks, unclipped): compressed columns and fused top-k offsets
+  // count from it.
+  int64_t origin(int64_t r) const { return p_.lo ? p_.lo[r * p_.lo_stride] : 0; }
+
   // The valid keys [lo, hi) of row r.
   void range(int64_t r, int64_t& lo, int64_t& hi) const {
     const int64_t b = r / p_.rows_per_batch, i = r % p_.rows_per_batch;
-    lo = p_.lo ? p_.lo[r * p_.lo_stride] : 0;
+    lo = origin(r);
     hi = p_.hi[b * p_.hi_stride[0] + i * p_.hi_stride[1]];
     if (!p_.cache) lo = std::max<int64_t>(lo, 0), hi = std::min(hi, p_.num_keys);
   }
@@ -452,7 +456,7 @@ class Indexer {
         // Key j of the row's range goes to column j - shift (inside [0, width)); with clean
         // logits and uncompressed rows the tile's other keys' columns get -inf.
         float* row = p_.logits + (blk.r0 + t) * p_.logits_stride;
-        const int64_t shift = p_.compressed ? lo[t] : 0, t1 = t0 + n;
+        const int64_t shift = p_.compressed ? origin(blk.r0 + t) : 0, t1 = t0 + n;
         const int64_t a = std::max({lo[t], t0, shift}), e = std::min({hi[t], t1, p_.width + shift});
         if (a < e) std::memcpy(row + a - shift, s.sums + t * kKeyTile + a - t0, sizeof(float) * (e - a));
         if (p_.clean && !p_.compressed) {
@@ -477,7 +481,7 @@ class Indexer {
       tile_logits(n, s, blk.nr);
       for (int64_t t = 0; t < blk.nr; ++t) {
         const int64_t a = std::max(lo[t], t0), e = std::min(hi[t], t0 + n);
-        if (a < e) best[t].push_run(s.sums + t * kKeyTile + a - t0, e - a, static_cast<uint32_t>(a - lo[t]));
+        if (a < e) best[t].push_run(s.sums + t * kKeyTile + a - t0, e - a, static_cast<uint32_t>(a - origin(blk.r0 + t)));
       }
     }
     std::vector<uint32_t> picked(p_.topk);

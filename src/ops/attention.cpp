@@ -113,11 +113,7 @@ AttentionParams detail::attention_params(const AttentionArgs& a) {
 
   // 6. Scalars.
   const double scale = a.scale ? *a.scale : 1.0 / std::sqrt(static_cast<double>(D));
-  if (!std::isfinite(scale)) fail("scale must be finite, got ", scale);
-  // And as the kernels use it, in float32 (1e39 is finite in double, inf in float32).
-  if (!std::isfinite(static_cast<float>(scale))) {
-    fail("scale must be finite, got ", scale, " (inf in float32, the precision the kernels use)");
-  }
+  detail::check_float32_scale(scale, "scale");
   if (!(a.dropout_p >= 0.0 && a.dropout_p < 1.0)) fail("dropout_p must be in [0, 1), got ", a.dropout_p);
 
   // 7. Outputs: shapes, dtypes, no self-overlap, no aliasing with any input or each other.

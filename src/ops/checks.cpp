@@ -2,6 +2,7 @@
 #include "ops/checks.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -9,6 +10,13 @@
 #include <vector>
 
 namespace attnkit::detail {
+
+float check_float32_scale(double value, const char* name) {
+  if (!std::isfinite(value)) fail(name, " must be finite, got ", value);
+  const float rounded = static_cast<float>(value);
+  if (!std::isfinite(rounded)) fail(name, " must be finite, got ", value, " (inf in float32, the precision the kernels use)");
+  return rounded;
+}
 
 void check_rank(const TensorView& t, const char* name, int rank, const std::string& dims) {
   if (t.rank != rank) {

@@ -28,6 +28,10 @@ template <class... Parts>
   throw Error(msg.str());
 }
 
+// A scale as the kernels use it, in float32: finite there too (1e39 is finite in double, inf
+// in float32). Returns it rounded to float32.
+float check_float32_scale(double value, const char* name);
+
 // t must have `rank` dims; `dims` describes them, e.g. "[B, Hq, Sq, D] (layout BHSD)".
 void check_rank(const TensorView& t, const char* name, int rank, const std::string& dims);
 // Sizes >= 0 and an element count that fits in int64.

@@ -7,6 +7,7 @@
 #include <climits>
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include "attnkit/error.h"
 #include "core/dispatch.h"
@@ -72,7 +73,7 @@ void flash_mla_with_kvcache(const MlaDecodeArgs& a) {
 
   // 2. Scale and sink.
   const double scale = a.softmax_scale ? *a.softmax_scale : 1.0 / std::sqrt(static_cast<double>(d_qk));
-  if (!std::isfinite(scale)) fail("softmax_scale must be finite, got ", scale);
+  const float logit_scale = detail::check_float32_scale(scale, "softmax_scale");
   if (a.attn_sink) {
     const TensorView& s = *a.attn_sink;
     if (s.rank != 1 || s.shape[0] != h_q || s.dtype != DType::float32) {
@@ -153,7 +154,7 @@ void flash_mla_with_kvcache(const MlaDecodeArgs& a) {
   }
   t.s_q = b * s_q, t.h_q = h_q, t.d_qk = d_qk, t.d_v = a.head_dim_v, t.topk = p.max_rows;
   t.q_scale = t.kv_scale = 1.0f;
-  t.logit_scale = static_cast<float>(scale);
+  t.logit_scale = logit_scale;
   p.batch = b, p.s_q = s_q;
   p.q_batch_stride = a.q.strides[0], p.q_seq_stride = a.q.strides[1];
   p.v32_fp8 = a.is_fp8_kvcache;
@@ -164,14 +165,14 @@ void flash_mla_with_kvcache(const MlaDecodeArgs& a) {
   detail::kernels().mla_decode_fwd(p);
 }
 
-void quantize_v32_kv(const TensorView& src, const TensorView& dst) {
-  detail::check_rank(src, "src", 2, "[num_tokens, 576]");
-  detail::check_sizes_nonnegative(src, "src");
-  if (src.dtype != DType::bfloat16 && src.dtype != DType::float32) fail("src must be bfloat16 or float32, got ", dtype_name(src.dtype));
-  if (src.shape[1] != kV32Nope + kV32Rope) fail("src must have ", kV32Nope + kV32Rope, " columns (512 nope + 64 rope), got ", src.shape[1]);
-  check_output(dst, "dst", DType::uint8, {src.shape[0], kV32TokenBytes});
-  check_no_overlap(dst, "dst", src, "src");
-  V32QuantizeParams p{src.data, src.dtype == DType::bfloat16, src.shape[0], src.strides[0], src.strides[1],
+void quantize_v32_kv(const TensorView& kv, const TensorView& dst) {
+  detail::check_rank(kv, "kv", 2, "[num_tokens, 576]");
+  detail::check_sizes_nonnegative(kv, "kv");
+  if (kv.dtype != DType::bfloat16 && kv.dtype != DType::float32) fail("kv must be bfloat16 or float32, got ", dtype_name(kv.dtype));
+  if (kv.shape[1] != kV32Nope + kV32Rope) fail("kv must have ", kV32Nope + kV32Rope, " columns (512 nope + 64 rope), got ", kv.shape[1]);
+  check_output(dst, "dst", DType::uint8, {kv.shape[0], kV32TokenBytes});
+  check_no_overlap(dst, "dst", kv, "kv");
+  V32QuantizeParams p{kv.data, kv.dtype == DType::bfloat16, kv.shape[0], kv.strides[0], kv.strides[1],
                       static_cast<uint8_t*>(dst.data), kV32TokenBytes};
   detail::kernels().v32_quantize(p);
 }
@@ -183,7 +184,7 @@ void check_logits(const TensorView& t, const char* name, int64_t rows, int64_t w
   if (t.rank != 2 || t.shape[0] != rows || t.shape[1] != width || t.dtype != DType::float32) {
     fail(name, " must be float32 of shape [", rows, ", ", width, "], got ", dtype_name(t.dtype), " of shape ", t.shape_str());
   }
-  if (width > 1 && t.strides[1] != 1) fail(name, " must have a contiguous last dim, got stride ", t.strides[1]);
+  if (rows > 0 && width > 1 && t.strides[1] != 1) fail(name, " must have a contiguous last dim, got stride ", t.strides[1]);
   detail::check_writable_layout(t, name);
 }
 
@@ -244,6 +245,15 @@ void fp8_mqa_logits(const IndexerLogitsArgs& a) {
            o.shape_str());
     }
     if (compressed) fail("max_seqlen_k applies to logits, not to the fused top-k");
+    // Offsets count from ks[t] as given, so a negative start moves them up: they must fit int32.
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t ks = static_cast<const int32_t*>(a.ks.data)[t * a.ks.strides[0]];
+      const int64_t ke = std::min<int64_t>(static_cast<const int32_t*>(a.ke.data)[t * a.ke.strides[0]], S);
+      if (std::max<int64_t>(ks, 0) < ke && ke - 1 - ks > INT32_MAX) {
+        fail("cu_seq_len_k_start[", t, "] = ", ks, ": the fused top-k's offsets from it (up to ", ke - 1 - ks,
+             ") must fit int32");
+      }
+    }
     p.topk_out = static_cast<int32_t*>(o.data), p.topk_stride = o.strides[0], p.topk = o.shape[1];
     out = &o;
   }
@@ -377,7 +387,7 @@ void topk_transform(const TopkArgs& a) {
     if (pt.rank != 2 || pt.dtype != DType::int32) {
       fail("page_table must be a 2-d int32 tensor [batches, max_pages], got ", dtype_name(pt.dtype), " of shape ", pt.shape_str());
     }
-    if (a.page_size < 1) fail("page_size must be >= 1, got ", a.page_size);
+    if (a.page_size < 1 || a.page_size > INT32_MAX) fail("page_size must be in [1, ", INT32_MAX, "], got ", a.page_size);
     p.mode = TopkParams::Mode::paged;
     p.page_table = static_cast<const int32_t*>(pt.data);
     p.page_table_stride[0] = pt.strides[0], p.page_table_stride[1] = pt.strides[1], p.page = a.page_size;
@@ -387,12 +397,25 @@ void topk_transform(const TopkArgs& a) {
     } else if (pt.shape[0] != N) {
       fail("page_table must have one row per logits row (", N, ") without row_to_batch, got ", pt.shape[0]);
     }
+    std::vector<int64_t> keys_used(pt.shape[0], 0);  // per page-table row: the longest of its rows
     for (int64_t r = 0; r < N; ++r) {
       const int64_t b = p.row_to_batch ? p.row_to_batch[r * p.row_to_batch_stride] : r;
       if (b < 0 || b >= pt.shape[0]) fail("row_to_batch[", r, "] = ", b, " is out of range [0, ", pt.shape[0], ")");
       const int64_t len = lengths[r * p.lengths_stride];
       if (len > pt.shape[1] * a.page_size) {
         fail("lengths[", r, "] = ", len, " exceeds the page table's max_pages · page_size = ", pt.shape[1] * a.page_size);
+      }
+      keys_used[b] = std::max(keys_used[b], len);
+    }
+    // Every page a selected key may lie in gives int32 slots page · page_size + offset >= 0.
+    for (int64_t b = 0; b < pt.shape[0]; ++b) {
+      for (int64_t j = 0; j * a.page_size < keys_used[b]; ++j) {
+        const int64_t page = p.page_table[b * p.page_table_stride[0] + j * p.page_table_stride[1]];
+        const int64_t last = page * a.page_size + std::min(a.page_size, keys_used[b] - j * a.page_size) - 1;
+        if (page < 0 || last > INT32_MAX) {
+          fail("page_table[", b, ", ", j, "] = ", page, " must be >= 0 with its slots (page · page_size + offset, up to ",
+               last, ") fitting int32");
+        }
       }
     }
   }

@@ -70,7 +70,7 @@ void check_heads(int64_t hq, int64_t hkv) {
 
 double checked_scale(const std::optional<double>& scale, int64_t d) {
   const double s = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(d));
-  if (!std::isfinite(static_cast<float>(s))) fail("scale must be finite in float32, got ", s);
+  detail::check_float32_scale(s, "scale");
   return s;
 }
 

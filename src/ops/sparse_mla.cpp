@@ -69,13 +69,9 @@ void sparse_mla_prefill_fwd(const SparseMlaArgs& a) {
   const bool fp8 = dtype == DType::float8_e4m3fn;
   const float q_scale = read_scale(a.q_scale, "q_scale", fp8, dtype);
   const float kv_scale = read_scale(a.kv_scale, "kv_scale", fp8, dtype);
-  // Checked as the kernel uses it, in float32 (1e39 is finite in double, inf in float32),
-  // and so is the logit scale it folds into Q.
-  if (!std::isfinite(a.sm_scale)) fail("sm_scale must be finite, got ", a.sm_scale);
-  if (!std::isfinite(static_cast<float>(a.sm_scale))) {
-    fail("sm_scale must be finite, got ", a.sm_scale, " (inf in float32, the precision the kernel uses)");
-  }
-  if (!std::isfinite(static_cast<float>(a.sm_scale) * q_scale * kv_scale)) {
+  // Checked as the kernel uses it, in float32, and so is the logit scale it folds into Q.
+  const float sm_scale = detail::check_float32_scale(a.sm_scale, "sm_scale");
+  if (!std::isfinite(sm_scale * q_scale * kv_scale)) {
     fail("sm_scale * q_scale * kv_scale must be finite in float32, got ", a.sm_scale, " * ", q_scale, " * ", kv_scale);
   }
   if (a.attn_sink) {
@@ -131,7 +127,7 @@ void sparse_mla_prefill_fwd(const SparseMlaArgs& a) {
   }
   p.s_q = s_q, p.s_kv = s_kv, p.h_q = h_q, p.d_qk = d_qk, p.d_v = a.d_v, p.topk = topk;
   p.q_scale = q_scale, p.kv_scale = kv_scale;
-  p.logit_scale = static_cast<float>(a.sm_scale) * q_scale * kv_scale;
+  p.logit_scale = sm_scale * q_scale * kv_scale;
   if (s_q == 0) return;
   detail::kernels().sparse_mla_fwd(p);
 }

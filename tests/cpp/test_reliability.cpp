@@ -163,7 +163,7 @@ TEST(Reliability, SparseMlaScalesMustBeFinite) {
   }
   SparseMlaArgs a = c.args();
   a.sm_scale = 1e39;
-  EXPECT_EQ(sparse_error(a), "sm_scale must be finite, got 1e+39 (inf in float32, the precision the kernel uses)");
+  EXPECT_EQ(sparse_error(a), "sm_scale must be finite, got 1e+39 (inf in float32, the precision the kernels use)");
   a.sm_scale = 3e38;
   c.q_scale = 1e30f;
   a.q_scale = TensorView(&c.q_scale, DType::float32, {1});

@@ -280,7 +280,7 @@ def test_quantize_torch_and_shape():
     assert np.array_equal(got.numpy(), D.v32_quantize(kv))
     with pytest.raises(ValueError, match="last dim of 576"):
         dsa.quantize_v32_kv(np.zeros((3, 512), np.float32))
-    with pytest.raises(ValueError, match="src must be bfloat16 or float32"):
+    with pytest.raises(ValueError, match="kv must be bfloat16 or float32"):
         dsa.quantize_v32_kv(np.zeros((3, 576), np.float16))
 
 
@@ -396,7 +396,9 @@ def test_errors():
         (dict(topk_length=np.zeros(3, np.int32)), r"topk_length must be int32 of shape \[2\]"),
         (dict(attn_sink=np.zeros(15, np.float32)), r"attn_sink must be float32 of shape \[16\]"),
         (dict(softmax_scale=float("nan")), "softmax_scale must be finite"),
+        (dict(softmax_scale=1e39), r"softmax_scale must be finite, got 1e\+39 \(inf in float32"),
         (dict(softmax_scale="x"), "softmax_scale must be a float"),
+        (dict(head_dim_v=-1), r"head_dim_v must be in \[1, head_dim=576\], got -1"),
         (dict(out=np.empty((2, 1, 16, 256), R.bf16_dtype())), r"out must have shape \[2, 1, 16, 512\]"),
         (dict(out=np.empty((2, 1, 16, 512), np.float32)), "out must be bfloat16"),
         (dict(extra_k_cache=cache), "extra_k_cache"),
@@ -420,6 +422,8 @@ def test_dense_errors():
         (dict(cache_seqlens=np.array([10**6, 0], np.int32)), r"cache_seqlens\[0\] must be in"),
         (dict(cache_seqlens=np.array([-1, 0], np.int32)), r"cache_seqlens\[0\] must be in"),
         (dict(head_dim_v=577), "head_dim_v must be in"),
+        (dict(head_dim_v=0), r"head_dim_v must be in \[1, head_dim=576\], got 0"),
+        (dict(softmax_scale=-1e39), r"softmax_scale must be finite, got -1e\+39 \(inf in float32"),
         (dict(k_cache=c.cache[..., :100]), "k_cache head_dim must match"),
         (dict(k_cache=c.cache.astype(np.float32)), "k_cache must be bfloat16"),
         (dict(topk_length=np.zeros(2, np.int32)), "topk_length is only used with indices"),

@@ -124,6 +124,33 @@ def test_mqa_logits_compressed_strided_threads_torch():
     assert np.array_equal(t_out.numpy(), full)
 
 
+def test_negative_starts_count_from_ks():
+    # ks < 0: the range is clipped to the keys that exist, but compressed columns and fused
+    # offsets still count from ks[t] as given (column c is key ks[t] + c).
+    rng = np.random.default_rng(18)
+    T, H, D_, S = 6, 8, 64, 300
+    ks = np.array([-7, -1, 0, 5, -300, -2], np.int32)
+    ke = np.array([40, 1, 30, 320, 10, -1], np.int32)
+    q, kv = fp8(rng, (T, H, D_)), fp8(rng, (S, D_))
+    kv_scale = rng.uniform(0.01, 0.1, S).astype(np.float32)
+    w = rng.standard_normal((T, H)).astype(np.float32)
+    full = dsa.fp8_mqa_logits(q, (kv, kv_scale), w, ks, ke)
+    lo, hi = np.clip(ks, 0, S), np.clip(ke, 0, S)
+    width = 400
+    comp = np.full((T, width), np.nan, np.float32)
+    dsa.fp8_mqa_logits(q, (kv, kv_scale), w, ks, ke, clean_logits=False, max_seqlen_k=width, out=comp)
+    for t in range(T):
+        keys = ks[t] + np.arange(width)
+        valid = (keys >= lo[t]) & (keys < hi[t])
+        assert np.array_equal(comp[t, valid], full[t, keys[valid]]) and np.isnan(comp[t, ~valid]).all(), t
+    hi = np.maximum(hi, lo)
+    plain = dsa.topk(full, (hi - lo).astype(np.int32), 50, row_starts=lo.astype(np.int32))
+    fused = dsa.fp8_mqa_topk(q, (kv, kv_scale), w, ks, ke, 50)
+    assert np.array_equal(fused, np.where(plain >= 0, plain + (lo - ks)[:, None], -1))
+    with pytest.raises(ValueError, match=r"cu_seq_len_k_start\[0\] = -2147483648: the fused top-k's offsets"):
+        dsa.fp8_mqa_topk(q[:1], (kv, kv_scale), w[:1], np.array([-2**31], np.int32), np.array([5], np.int32), 3)
+
+
 def test_fused_topk_equals_topk_of_logits():
     rng = np.random.default_rng(12)
     ks, ke, S = causal_ranges(rng, [30, 3], [2000, 4500])
@@ -254,6 +281,27 @@ def test_mqa_errors():
             dsa.fp8_mqa_logits(**{**base, **kw})
     with pytest.raises(ValueError, match="topk must be >= 1"):
         dsa.fp8_mqa_topk(q, (kv, sc), w, ks, ke, 0)
+    with pytest.raises(ValueError, match="topk must fit int32, got 9223372036854775808"):
+        dsa.fp8_mqa_topk(q, (kv, sc), w, ks, ke, 2**63)
+    with pytest.raises(ValueError, match=r"out must have shape \[4, 3\], got \[4, 6\]"):
+        dsa.fp8_mqa_topk(q, (kv, sc), w, ks, ke, 3, out=np.empty((4, 6), np.int32))
+    with pytest.raises(ValueError, match="weights must be float32, got float64"):
+        dsa.fp8_mqa_logits(q, (kv, sc), w.astype(np.float64), ks, ke)
+
+
+def test_empty_rows_give_empty_logits():
+    rng = np.random.default_rng(19)
+    kv, sc = fp8(rng, (20, 64)), np.ones(20, np.float32)
+    none = np.zeros(0, np.int32)
+    got = dsa.fp8_mqa_logits(fp8(rng, (0, 8, 64)), (kv, sc), np.ones((0, 8), np.float32), none, none)
+    assert got.shape == (0, 20)
+    got = dsa.fp8_mqa_logits(fp8(rng, (0, 8, 64)), (kv, sc), np.ones((0, 8), np.float32), none, none,
+                             clean_logits=False, max_seqlen_k=7)
+    assert got.shape == (0, 7)
+    cache = np.zeros((2, 16, 1, 64 + 4), np.uint8)
+    got = dsa.fp8_paged_mqa_logits(fp8(rng, (0, 1, 8, 64)), cache, np.ones((0, 8), np.float32), none,
+                                   np.zeros((0, 2), np.int32), max_context_len=32)
+    assert got.shape == (0, 32)
 
 
 # --- top-k ----------------------------------------------------------------------------------
@@ -334,11 +382,21 @@ def test_topk_errors():
                                                row_to_batch=np.array([0, 1, 3], np.int32)), r"row_to_batch\[2\] = 3"),
         (lambda: dsa.topk_ragged_transform(logits, np.array([0, -1, 0], np.int32), lengths, 4), r"offsets\[1\]"),
         (lambda: dsa.topk(logits, lengths, 4, out=np.empty((3, 5), np.int32)), r"out must have shape \[3, 4\]"),
+        (lambda: dsa.topk(logits, lengths, 2**63), "topk must fit int32"),
+        (lambda: dsa.topk_page_table_transform(logits, np.array([[0, 1], [2, 3], [4, -1]], np.int32), lengths, 4,
+                                               page_size=2), r"page_table\[2, 1\] = -1 must be >= 0"),
+        (lambda: dsa.topk_page_table_transform(logits, np.array([[2**30, 0]] * 3, np.int32), lengths, 4,
+                                               page_size=4), r"page_table\[0, 0\] = 1073741824 must be >= 0 with its "
+                                                             r"slots \(page · page_size \+ offset, up to 4294967296\)"),
+        (lambda: dsa.topk_page_table_transform(logits, np.zeros((3, 1), np.int32), lengths, 4, page_size=2**31),
+         r"page_size must be in \[1, 2147483647\], got 2147483648"),
     ]
     for fn, msg in cases:
         with pytest.raises(ValueError, match=msg):
             fn()
-
+    # -1 where no row's keys reach (row 1 has 2 keys: page 0 only) is never read
+    got = dsa.topk_page_table_transform(logits, np.array([[0, 1], [2, -1], [4, 5]], np.int32), lengths, 4, page_size=2)
+    assert np.array_equal(got[1], [4, 5, -1, -1])
 
 def test_each_isa(isa):
     rng = np.random.default_rng(21)

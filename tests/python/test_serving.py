@@ -474,7 +474,7 @@ VARLEN_ERRORS = [
     (dict(k=np.zeros((9, 3, 8), np.float32), v=np.zeros((9, 3, 8), np.float32)),
      "GQA/MQA requires query heads to be a multiple of KV heads, got q_heads=4 and kv_heads=3"),
     (dict(q=np.zeros((6, 4), np.float32)), "q must be a 3-d tensor [total_q, Hq, D], got 2-d [6, 4]"),
-    (dict(scale=1e39), "scale must be finite in float32"),
+    (dict(scale=1e39), "scale must be finite, got 1e+39 (inf in float32"),
     (dict(causal="yes"), "causal must be True or False, got 'yes'"),
 ]
 

@@ -600,6 +600,8 @@ def test_general_argument_errors(rng):
         g(c.q, c.kv, c.indices, 0.1, D_QK + 1)
     with pytest.raises(ValueError, match="d_v"):
         g(c.q, c.kv, c.indices, 0.1, 0)
+    with pytest.raises(ValueError, match=rf"d_v must be in \[1, d_qk={D_QK}\], got -1"):  # before allocating out
+        g(c.q, c.kv, c.indices, 0.1, -1)
     with pytest.raises(ValueError, match="d_v"):   # default d_v 512 > d_qk 64
         g(c.q, c.kv, c.indices, 0.1)
     with pytest.raises(ValueError, match="indices"):
