@@ -86,6 +86,8 @@ def kind_of(x, name: str) -> str:
     if is_torch(x):
         if not x.is_cpu:
             raise ValueError(f"{name} must be a CPU tensor, got device {x.device}")
+        if x.layout is not _torch().strided:  # sparse and other layouts have no strides to read
+            raise ValueError(f"{name} must be a dense (strided) tensor, got layout {x.layout}")
         return "torch"
     raise ValueError(f"{name} must be a numpy array or a torch tensor, got {type(x).__name__}")
 
@@ -117,6 +119,9 @@ def typed(x, name: str, takes: str = FLOAT):
         except RuntimeError:  # no strides or storage: sparse and other non-dense layouts
             raise ValueError(f"{name} must be a dense (strided) tensor, got layout {x.layout}") from None
     dname = dtype_name(x, name, takes)
+    if not x.flags.aligned and any(s % x.itemsize for s in x.strides):  # the flag: cheap, and rarely False
+        raise ValueError(f"{name} must have strides that are whole elements, got byte strides {x.strides} "
+                         f"for itemsize {x.itemsize}")
     if dname in ("bfloat16", "float8_e4m3fn", "float8_e5m2", "boolean"):
         x = x.view(_NUMPY_BITS[x.dtype.itemsize])
     return x, dname

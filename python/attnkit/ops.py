@@ -121,6 +121,8 @@ def window_pair(window):
             or any(isinstance(w, (bool, np.bool_)) or not isinstance(w, numbers.Integral) for w in window)):
         raise ValueError(f"window must be None or a pair (left, right) of ints, -1 meaning "
                          f"unbounded, got {window!r}")
+    if not all(-2**63 <= w < 2**63 for w in window):
+        raise ValueError(f"window must be a pair of ints that fit int64, got {window!r}")
     return int(window[0]), int(window[1])
 
 

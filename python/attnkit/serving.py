@@ -33,6 +33,8 @@ def _check_optional_int(value, name):
         return None
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name} must be an int or None, got {type(value).__name__}")
+    if not -2**63 <= value < 2**63:
+        raise ValueError(f"{name} must fit int64, got {value}")
     return int(value)
 
 
@@ -41,10 +43,12 @@ def _kv_scale(scale, kind, name):
     if scale is None:
         return None
     if isinstance(scale, (int, float, np.floating, np.integer)) and not isinstance(scale, bool):
+        value = real_scalar(scale, name)  # 10**400: a ValueError, not an OverflowError
         if kind == "torch":
             import torch
-            return torch.tensor(float(scale), dtype=torch.float32)
-        return np.asarray(scale, dtype=np.float32)
+            return torch.tensor(value, dtype=torch.float32)
+        with np.errstate(over="ignore"):  # past float32's range: inf, refused by the op
+            return np.asarray(value, dtype=np.float32)
     if kind_of(scale, name) != kind:
         raise ValueError(f"{name} must be a {kind} array like q, a float, or None, got {type(scale).__name__}")
     return scale

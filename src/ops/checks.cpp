@@ -92,14 +92,30 @@ void check_reach(const TensorView& t, const char* name) {
 // Views up to this many elements whose dims are not nested are checked element by element.
 constexpr int64_t kMaxEnumeratedElements = int64_t{1} << 22;
 
+struct Dim {
+  int64_t stride, size;  // |stride| > 0, size > 1
+};
+
+// Whether dims are nested: sorted by stride, each stride beyond the reach of all the smaller
+// ones. Then every index addresses its own element; every ordinary layout (permuted, sliced,
+// reversed) is nested. The reaches fit: callers bound them by check_reach.
+bool nested(Dim* dims, int n) {
+  for (int i = 1; i < n; ++i) {  // insertion sort (std::sort on 6 elements trips GCC 12's -Warray-bounds)
+    for (int j = i; j > 0 && dims[j].stride < dims[j - 1].stride; --j) std::swap(dims[j], dims[j - 1]);
+  }
+  int64_t reach = 0;
+  for (int i = 0; i < n; ++i) {
+    if (dims[i].stride <= reach) return false;
+    reach += (dims[i].size - 1) * dims[i].stride;
+  }
+  return true;
+}
+
 }  // namespace
 
 void check_writable_layout(const TensorView& t, const char* name) {
   if (t.numel() == 0) return;  // nothing is written
   check_reach(t, name);
-  struct Dim {
-    int64_t stride, size;
-  };
   Dim dims[kMaxRank];
   int n = 0;
   for (int d = 0; d < t.rank; ++d) {
@@ -109,18 +125,7 @@ void check_writable_layout(const TensorView& t, const char* name) {
     }
     dims[n++] = {std::abs(t.strides[d]), t.shape[d]};
   }
-  // Nested: sorted by |stride|, each stride beyond the reach of all the smaller ones. Then
-  // the elements are distinct; every ordinary layout (permuted, sliced, reversed) is.
-  for (int i = 1; i < n; ++i) {  // insertion sort (std::sort on 6 elements trips GCC 12's -Warray-bounds)
-    for (int j = i; j > 0 && dims[j].stride < dims[j - 1].stride; --j) std::swap(dims[j], dims[j - 1]);
-  }
-  bool nested = true;
-  int64_t reach = 0;  // fits: bounded by check_reach
-  for (int i = 0; i < n && nested; ++i) {
-    nested = dims[i].stride > reach;
-    reach += (dims[i].size - 1) * dims[i].stride;
-  }
-  if (nested) return;
+  if (nested(dims, n)) return;
   // Otherwise the offsets decide (shape [2, 3] with strides [3, 2] is not nested, yet distinct).
   const int64_t count = t.numel();
   if (count > kMaxEnumeratedElements) {
@@ -163,9 +168,31 @@ Span span_of(const TensorView& t, const char* name) {
 }
 }  // namespace
 
+namespace {
+// Whether a and b, whose spans overlap, are interleaved without a common element: views of one
+// layout (dtype size, shape, strides) whose offset δ from a to b, taken as one more dim of
+// size 2, keeps the dims nested, e.g. a paged cache's K and V as kv[:, 0] and kv[:, 1]. Their
+// union is then a view with distinct elements. Dims of size 1 or stride 0 repeat elements
+// without adding any, so they are left out.
+bool interleaved(const TensorView& a, const TensorView& b) {
+  const int64_t item = static_cast<int64_t>(dtype_size(a.dtype));
+  if (dtype_size(b.dtype) != dtype_size(a.dtype) || a.rank != b.rank) return false;
+  const int64_t bytes = static_cast<int64_t>(reinterpret_cast<uintptr_t>(b.data) - reinterpret_cast<uintptr_t>(a.data));
+  if (bytes % item != 0) return false;
+  Dim dims[kMaxRank + 1];
+  int n = 0;
+  for (int d = 0; d < a.rank; ++d) {
+    if (a.shape[d] != b.shape[d] || a.strides[d] != b.strides[d]) return false;
+    if (a.shape[d] > 1 && a.strides[d] != 0) dims[n++] = {std::abs(a.strides[d]), a.shape[d]};
+  }
+  dims[n++] = {std::abs(bytes / item), 2};
+  return nested(dims, n);
+}
+}  // namespace
+
 void check_no_overlap(const TensorView& a, const char* a_name, const TensorView& b, const char* b_name) {
   const Span x = span_of(a, a_name), y = span_of(b, b_name);
-  if (x.begin < x.end && y.begin < y.end && x.begin < y.end && y.begin < x.end) {
+  if (x.begin < x.end && y.begin < y.end && x.begin < y.end && y.begin < x.end && !interleaved(a, b)) {
     fail(a_name, " must not alias ", b_name, " (their memory overlaps)");
   }
 }

@@ -49,7 +49,9 @@ void check_writable_layout(const TensorView& t, const char* name);
 // A contiguous output of exactly this dtype and shape.
 void check_output(const TensorView& t, const char* name, DType dtype, std::initializer_list<int64_t> shape);
 
-// The memory spans of a and b must not overlap (a conservative check on address ranges).
+// a and b must share no element: their address ranges must not overlap, unless they are
+// interleaved views of one layout (a paged cache's K and V as kv[:, 0] and kv[:, 1]) that
+// provably share none. Other overlapping ranges are refused even where no element is shared.
 void check_no_overlap(const TensorView& a, const char* a_name, const TensorView& b, const char* b_name);
 
 // t (a gradient, or dout) must have `like`'s rank, shape and dtype.

@@ -365,6 +365,8 @@ void paged_attention(const PagedAttentionArgs& a) {
   const std::vector<int32_t> cu_q = read_cu_seqlens(a.cu_seqlens_q, "cu_seqlens_q", batch, total_q, "total_q");
   std::vector<int32_t> lens(batch);
   int64_t used_most = 0, max_k = 0;
+  int64_t capacity;  // keys the block table can hold (saturated: huge blocks of a stride-0 cache)
+  if (__builtin_mul_overflow(max_blocks, block_size, &capacity)) capacity = INT64_MAX;
   for (int64_t b = 0; b < batch; ++b) {
     lens[b] = int32_at(a.seq_lens, b);
     const int64_t n_q = cu_q[b + 1] - cu_q[b];
@@ -372,8 +374,8 @@ void paged_attention(const PagedAttentionArgs& a) {
       fail("seq_lens[", b, "] must be at least the sequence's query count ", n_q,
            " (cu_seqlens_q[", b + 1, "] - cu_seqlens_q[", b, "]), got ", lens[b]);
     }
-    if (lens[b] > max_blocks * block_size) {
-      fail("seq_lens[", b, "] must be at most max_blocks * block_size = ", max_blocks * block_size, ", got ", lens[b]);
+    if (lens[b] > capacity) {
+      fail("seq_lens[", b, "] must be at most max_blocks * block_size = ", capacity, ", got ", lens[b]);
     }
     used_most = std::max<int64_t>(used_most, (lens[b] + block_size - 1) / block_size);
     max_k = std::max<int64_t>(max_k, lens[b]);

@@ -279,9 +279,16 @@ def test_error_overlapping_outputs(rng):
         _call(dict(args, out_a=buf[:3], out=buf[1:]))                  # overlaps out_a, not the same view
     with pytest.raises(ValueError, match="out must not alias out_b"):
         _call(dict(args, out=args["out_b"][:, ::-1]))                  # same memory, another view
-    lse_buf = np.zeros((3, 2, 2), np.float32)
-    with pytest.raises(ValueError, match="lse_out must not alias lse_a"):
-        _call(dict(args, lse_a=lse_buf[..., 0], lse_out=lse_buf[..., 1]))
+    lse_flat = np.zeros(3 * 2 + 1, np.float32)
+    lse_flat[:-1] = args["lse_a"].reshape(-1)
+    with pytest.raises(ValueError, match="lse_out must not alias lse_a"):   # one element apart
+        _call(dict(args, lse_a=lse_flat[:-1].reshape(3, 2), lse_out=lse_flat[1:].reshape(3, 2)))
+    # Interleaved views of one buffer share no element: not aliases.
+    lse_buf = np.stack([args["lse_a"], np.full((3, 2), np.nan, np.float32)], axis=-1)
+    apart = _call(dict(args))
+    together = _call(dict(args, lse_a=lse_buf[..., 0], lse_out=lse_buf[..., 1]))
+    for x, y in zip(apart, together):
+        np.testing.assert_array_equal(x, y)
     out = np.zeros((3, 2, 8), np.float32)
     with pytest.raises(ValueError, match="out must not alias lse_out"):
         _call(dict(args, out=out, lse_out=out[..., 0]))

@@ -454,6 +454,60 @@ def test_append_then_attend_equals_attention(rng, dtype):
     assert_close(out, to_f64(dense), atol * 2, rtol * 2)
 
 
+def test_interleaved_kv_views(rng):
+    """K and V as views of one buffer that share no element (FlashInfer's paged layout
+    [num_blocks, 2, block_size, H, D]; FlashAttention's kvpacked gradients [total_k, 2, H, D])
+    are not aliases: append, attend and the varlen backward accept them."""
+    nb, bs, hkv, d = 4, 5, 2, 8
+    kv = np.full((nb, 2, bs, hkv, d), np.nan, np.float32)
+    k, v = randn(rng, (7, hkv, d), "float32"), randn(rng, (7, hkv, d), "float32")
+    slots = np.array([3, 7, 19, 0, 12, 11, 2], np.int64)
+    attnkit.append_kv_cache(k, v, kv[:, 0], kv[:, 1], slots)
+    for half, src in ((0, k), (1, v)):
+        want = np.full((nb, bs, hkv, d), np.nan, np.float32)
+        want[slots // bs, slots % bs] = src
+        np.testing.assert_array_equal(kv[:, half], want)
+    q = randn(rng, (2, 4, d), "float32")
+    table = np.array([[0, 2, 1, 3]], np.int32)
+    packed = attnkit.paged_attention(q, kv[:, 0], kv[:, 1], table, np.array([20], np.int32), cu([2]))
+    apart = attnkit.paged_attention(q, kv[:, 0].copy(), kv[:, 1].copy(), table, np.array([20], np.int32), cu([2]))
+    np.testing.assert_array_equal(packed, apart)
+
+    q, kvp = randn(rng, (3, 4, d), "float32"), randn(rng, (5, 2, hkv, d), "float32")
+    cq, ck = cu([3]), cu([5])
+    o, lse = attnkit.varlen_attention(q, kvp[:, 0], kvp[:, 1], cq, ck, return_lse=True)
+    do = randn(rng, o.shape, "float32")
+    dkv = np.full((5, 2, hkv, d), np.nan, np.float32)
+    _, dk, dv = attnkit.varlen_attention_backward(q, kvp[:, 0], kvp[:, 1], o, lse, do, cq, ck, dk=dkv[:, 0],
+                                                  dv=dkv[:, 1])
+    _, dk_apart, dv_apart = attnkit.varlen_attention_backward(q, kvp[:, 0], kvp[:, 1], o, lse, do, cq, ck)
+    np.testing.assert_array_equal(dkv[:, 0], dk_apart)
+    np.testing.assert_array_equal(dkv[:, 1], dv_apart)
+
+
+def test_huge_blocks_of_a_broadcast_cache():
+    """max_blocks · block_size past int64 (a stride-0 cache of 2**62-key blocks) saturates."""
+    torch = pytest.importorskip("torch")
+    cache = torch.ones(1, 1, 1, 1).expand(1, 2**62, 1, 1)
+    for max_blocks in (1, 2, 4):
+        out = attnkit.paged_attention(torch.ones(1, 1, 1), cache, cache, torch.zeros(1, max_blocks, dtype=torch.int32),
+                                      torch.tensor([1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32))
+        assert out.flatten().tolist() == [1.0]
+
+
+def test_layouts_without_strides_are_value_errors(rng):
+    torch = pytest.importorskip("torch")
+    q = torch.ones(2, 1, 4)
+    with pytest.raises(ValueError, match="q must be a dense \\(strided\\) tensor, got layout torch.sparse_coo"):
+        attnkit.varlen_attention(q.to_sparse(), q, q, torch.tensor([0, 2], dtype=torch.int32),
+                                 torch.tensor([0, 2], dtype=torch.int32))
+    buf = np.zeros(256, np.uint8)
+    odd = np.ndarray((2, 1, 4), np.float32, buf.data, offset=0, strides=(18, 16, 4))  # 18-byte rows
+    qn = np.ones((2, 1, 4), np.float32)
+    with pytest.raises(ValueError, match="q must have strides that are whole elements, got byte strides"):
+        attnkit.varlen_attention(odd, qn, qn, cu([2]), cu([2]))
+
+
 # ---- errors
 
 def _varlen_args(rng):
@@ -476,6 +530,8 @@ VARLEN_ERRORS = [
     (dict(q=np.zeros((6, 4), np.float32)), "q must be a 3-d tensor [total_q, Hq, D], got 2-d [6, 4]"),
     (dict(scale=1e39), "scale must be finite, got 1e+39 (inf in float32"),
     (dict(causal="yes"), "causal must be True or False, got 'yes'"),
+    (dict(max_seqlen_q=2**63), "max_seqlen_q must fit int64, got 9223372036854775808"),
+    (dict(window=(2**63, 0)), "window must be a pair of ints that fit int64"),
 ]
 
 
@@ -520,6 +576,7 @@ def test_paged_errors(rng):
     expect("block_size (k_cache dim 1) must be at least 1", k_cache=np.zeros((4, 0, 2, 16), np.float32),
            v_cache=np.zeros((4, 0, 2, 16), np.float32))
     expect("block_table must be int32, got int64", block_table=base["block_table"].astype(np.int64))
+    expect("k_scale must be a float, got", k_scale=10**400)
     args = _paged_args(rng)
     with pytest.raises(ValueError, match="out must not alias q"):
         attnkit.paged_attention(**args, out=args["q"])
@@ -544,3 +601,6 @@ def test_append_errors(rng):
     expect("k_cache must have shape [num_blocks, block_size, 2, 8]", k_cache=np.zeros((2, 4, 2, 9), np.float32))
     shared = np.zeros((2, 4, 2, 8), np.float32)
     expect("k_cache must not alias v_cache", k_cache=shared, v_cache=shared)
+    flat = np.zeros(2 * 4 * 2 * 8 + 1, np.float32)   # v_cache one element past k_cache: they share elements
+    expect("k_cache must not alias v_cache", k_cache=flat[:-1].reshape(2, 4, 2, 8), v_cache=flat[1:].reshape(2, 4, 2, 8))
+    expect("v_scale must be a float, got", v_scale=10**400)
