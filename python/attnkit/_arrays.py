@@ -83,10 +83,11 @@ def kind_of(x, name: str) -> str:
     """ "numpy" or "torch"; anything else is a ValueError naming the argument."""
     if isinstance(x, np.ndarray):
         return "numpy"
-    if is_torch(x):
+    torch = _torch()
+    if torch is not None and isinstance(x, torch.Tensor):
         if not x.is_cpu:
             raise ValueError(f"{name} must be a CPU tensor, got device {x.device}")
-        if x.layout is not _torch().strided:  # sparse and other layouts have no strides to read
+        if x.layout is not torch.strided:  # sparse and other layouts have no strides to read
             raise ValueError(f"{name} must be a dense (strided) tensor, got layout {x.layout}")
         return "torch"
     raise ValueError(f"{name} must be a numpy array or a torch tensor, got {type(x).__name__}")
