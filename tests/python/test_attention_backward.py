@@ -147,6 +147,36 @@ def test_odd_head_dims(rng, dtype, D, Dv, strided):
                 grad_ref(q, k, v, dout, causal=True), dtype)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("D", [40, 128])
+def test_interleaved_buffers(rng, dtype, D):
+    """Outputs interleaved with inputs or with each other in one buffer (out beside q; dk beside
+    dv, as FlashAttention's kvpacked gradients; dq beside dout) share no element, so they are
+    accepted, and each call writes exactly its own elements: results bit-identical to separate
+    buffers, the neighbours untouched."""
+    B, Hq, Hkv, Sq, Skv = 1, 4, 2, 37, 70
+    qbuf = poison((B, Hq, Sq, 2, D), dtype)
+    qbuf[..., 0, :] = randn(rng, (B, Hq, Sq, D), dtype)
+    q, k, v = qbuf[..., 0, :], randn(rng, (B, Hkv, Skv, D), dtype), randn(rng, (B, Hkv, Skv, D), dtype)
+    q_before = q.copy()
+    out, lse = attnkit.attention(q, k, v, causal=True, enable_gqa=True, return_lse=True, out=qbuf[..., 1, :])
+    apart, lse_apart = forward(q.copy(), k, v, causal=True, enable_gqa=True)
+    assert_bits_equal(out, apart)
+    assert_bits_equal(lse, lse_apart)
+    assert_bits_equal(q, q_before)
+    dbuf = poison((B, Hq, Sq, 2, D), dtype)
+    dbuf[..., 0, :] = randn(rng, (B, Hq, Sq, D), dtype)
+    dout = dbuf[..., 0, :]
+    dout_before = dout.copy()
+    dkv = poison((B, Hkv, Skv, 2, D), dtype)
+    got = attnkit.attention_backward(q, k, v, apart, lse, dout, causal=True, enable_gqa=True, dq=dbuf[..., 1, :],
+                                     dk=dkv[..., 0, :], dv=dkv[..., 1, :])
+    want = attnkit.attention_backward(q, k, v, apart, lse, dout.copy(), causal=True, enable_gqa=True)
+    for g, w in zip(got, want):
+        assert_bits_equal(g, w)
+    assert_bits_equal(dout, dout_before)
+
+
 @pytest.mark.parametrize("Hq,Hkv", [(1, 1), (4, 1), (6, 2), (8, 8), (12, 3)])
 @pytest.mark.parametrize("causal", [False, True, "bottom_right"])
 def test_gqa_and_causal(rng, Hq, Hkv, causal):
