@@ -112,13 +112,16 @@ def typed(x, name: str, takes: str = FLOAT):
     """What the extension takes for a numpy array or torch tensor: (array, dtype name), or
     (address, shape, strides, dtype name) for a tensor (the caller keeps it alive)."""
     if not isinstance(x, np.ndarray):
+        if x.is_neg():  # torch's lazy negation: the memory holds -x (the dispatcher resolves it, not this)
+            raise ValueError(f"{name} has torch's lazy negation bit set (is_neg()); pass {name}.resolve_neg()")
         try:
             # a plain tuple: nanobind reads a torch.Size (a tuple subclass) ~1 us slower
             return x.data_ptr(), tuple(x.shape), x.stride(), _TORCH_NAMES[x.dtype]
         except KeyError:
             raise ValueError(f"{name} must be {takes}, got {x.dtype}") from None
-        except RuntimeError:  # no strides or storage: sparse and other non-dense layouts
-            raise ValueError(f"{name} must be a dense (strided) tensor, got layout {x.layout}") from None
+        except RuntimeError:  # no strides or storage: sparse, nested and other non-dense layouts
+            what = "a nested tensor" if x.is_nested else f"layout {x.layout}"
+            raise ValueError(f"{name} must be a dense (strided) tensor, got {what}") from None
     dname = dtype_name(x, name, takes)
     if not x.flags.aligned and any(s % x.itemsize for s in x.strides):  # the flag: cheap, and rarely False
         raise ValueError(f"{name} must have strides that are whole elements, got byte strides {x.strides} "

@@ -32,7 +32,10 @@ _LIB.define(f"attention_out({_ARGS}, Tensor(a!) out, Tensor(b!)? lse, {_MODS}) -
 
 
 def _seed_to_op(seed):
-    return None if seed is None else (seed - 2**64 if seed >= 2**63 else seed)
+    if seed is None:
+        return None
+    seed = int(seed)  # a numpy uint64 would wrap in the subtraction
+    return seed - 2**64 if seed >= 2**63 else seed
 
 
 def _seed_from_op(seed):
@@ -53,12 +56,13 @@ def check_no_grad(op_name, named):
 
 def eager(tensors) -> bool:
     """Whether a call may skip the dispatcher: not tracing, no dispatch mode active, and
-    every tensor a plain torch.Tensor (subclasses such as FakeTensor need the dispatcher).
+    every tensor a plain torch.Tensor (subclasses such as FakeTensor need the dispatcher)
+    without the lazy negation bit (the dispatcher materialises it; the kernel reads memory).
     is_compiling() comes first: under dynamo it is True and the rest is never traced."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return False
     for t in tensors:
-        if t is not None and type(t) is not torch.Tensor:
+        if t is not None and (type(t) is not torch.Tensor or t.is_neg()):
             return False
     return True
 

@@ -6,7 +6,7 @@ Torch autograd uses it through python/attnkit/_torch_backward.py; the C++ op
 
 from . import _C
 from ._arrays import FLOAT, MASK, dtype_name, empty_like_kind, kind_of, typed, typed_or_none, typed_output
-from .ops import causal_code, check_scalars, check_softcap, window_pair
+from .ops import causal_code, check_scalars, check_softcap, flag, window_pair
 
 
 def run_attention_backward(q, k, v, out, lse, dout, attn_mask, causal, scale, dropout_p, seed,
@@ -48,6 +48,7 @@ def attention_backward(q, k, v, out, lse, dout, *, attn_mask=None, causal=False,
     share of the denominator and dsinks[h] = -Σ_(b,i) P_sink(b, h, i)·D(b, h, i).
     """
     code = causal_code(causal)
+    enable_gqa = flag(enable_gqa, "enable_gqa")
     scale, dropout_p = check_scalars(scale, dropout_p, seed, layout)
     kind = kind_of(q, "q")
     optional = ("attn_mask", "dlse", "dq", "dk", "dv", "alibi_slopes", "sinks", "dsinks")

@@ -65,6 +65,8 @@ def _fallback_reason(query, key, value, attn_mask):
         return f"dtype {str(query.dtype).removeprefix('torch.')}"
     if attn_mask is not None and attn_mask.dtype not in _MASK_DTYPES:
         return f"attn_mask dtype {str(attn_mask.dtype).removeprefix('torch.')}"
+    if attn_mask is not None and attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
+        return None  # torch refuses a float16 / bfloat16 mask of another dtype than the query's
     if torch.is_grad_enabled() and attn_mask is not None and attn_mask.requires_grad:
         return "attn_mask requires grad and attnkit computes no mask gradient"
     if any(t.numel() == 0 for t in (query, key, value)):

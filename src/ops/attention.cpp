@@ -53,7 +53,7 @@ std::string dims_str(int64_t b, int64_t h, int64_t s, int64_t d, Layout layout) 
 
 }  // namespace
 
-AttentionParams detail::attention_params(const AttentionArgs& a) {
+AttentionParams detail::attention_params(const AttentionArgs& a, bool writes_out) {
   const Layout layout = a.layout;
 
   // 1. Ranks.
@@ -120,24 +120,26 @@ AttentionParams detail::attention_params(const AttentionArgs& a) {
   if (out.size[0] != B || out.size[1] != Hq || out.size[2] != Sq || out.size[3] != Dv) {
     fail("out must have shape ", dims_str(B, Hq, Sq, Dv, layout), ", got ", a.out.shape_str());
   }
-  detail::check_writable_layout(a.out, "out");
   if (a.lse) {
     const TensorView& l = *a.lse;
     if (l.rank != 3 || l.shape[0] != B || l.shape[1] != Hq || l.shape[2] != Sq) {
       fail("lse must have shape [", B, ", ", Hq, ", ", Sq, "] ([B, Hq, Sq]), got ", l.shape_str());
     }
     if (l.dtype != DType::float32) fail("lse must be float32, got ", dtype_name(l.dtype));
-    detail::check_writable_layout(l, "lse");
   }
-  for (const auto& [input, name] : {std::pair{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}}) {
-    check_no_overlap(a.out, "out", *input, name);
-    if (a.lse) check_no_overlap(*a.lse, "lse", *input, name);
+  if (writes_out) {
+    detail::check_writable_layout(a.out, "out");
+    if (a.lse) detail::check_writable_layout(*a.lse, "lse");
+    for (const auto& [input, name] : {std::pair{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}}) {
+      check_no_overlap(a.out, "out", *input, name);
+      if (a.lse) check_no_overlap(*a.lse, "lse", *input, name);
+    }
+    if (a.attn_mask) {
+      check_no_overlap(a.out, "out", *a.attn_mask, "attn_mask");
+      if (a.lse) check_no_overlap(*a.lse, "lse", *a.attn_mask, "attn_mask");
+    }
+    if (a.lse) check_no_overlap(a.out, "out", *a.lse, "lse");
   }
-  if (a.attn_mask) {
-    check_no_overlap(a.out, "out", *a.attn_mask, "attn_mask");
-    if (a.lse) check_no_overlap(*a.lse, "lse", *a.attn_mask, "attn_mask");
-  }
-  if (a.lse) check_no_overlap(a.out, "out", *a.lse, "lse");
 
   // Everything is valid: fill the params block.
   p.dtype = a.q.dtype;

@@ -35,7 +35,7 @@ void attention_backward(const AttentionBackwardArgs& a) {
   fa.window_left = a.window_left, fa.window_right = a.window_right, fa.softcap = a.softcap;
   fa.alibi_slopes = a.alibi_slopes, fa.sinks = a.sinks;
   AttentionBackwardParams p{};
-  p.fwd = detail::attention_params(fa);  // every forward check, in the forward's words
+  p.fwd = detail::attention_params(fa, false);  // every forward check, in the forward's words (out, lse read)
 
   if (a.dropout_p > 0.0 && !a.seed) {
     fail("seed must be the forward's dropout seed when dropout_p > 0, got None");

@@ -65,8 +65,10 @@ struct AttentionParams {
 
 namespace detail {
 // The dense-attention contract: validates args (throws Error) and fills the params block.
-// Shared by every op with attention's shapes (attention, sage_attention).
-AttentionParams attention_params(const AttentionArgs& args);
+// Shared by every op with attention's shapes (attention, sage_attention, and the backward,
+// which reads out and lse: writes_out false, so they are held to the inputs' rules and may
+// be broadcast or overlap other inputs).
+AttentionParams attention_params(const AttentionArgs& args, bool writes_out = true);
 }  // namespace detail
 
 }  // namespace attnkit

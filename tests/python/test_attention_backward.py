@@ -147,6 +147,28 @@ def test_odd_head_dims(rng, dtype, D, Dv, strided):
                 grad_ref(q, k, v, dout, causal=True), dtype)
 
 
+def test_out_and_lse_are_inputs(rng):
+    """The backward reads out and lse: a broadcast (stride 0) lse is fine there, as in any input."""
+    q = np.ascontiguousarray(np.broadcast_to(randn(rng, (1, 1, 1, 16)), (1, 2, 9, 16)))  # every row alike
+    k = randn(rng, (1, 1, 11, 16)).repeat(2, 1)
+    v = randn(rng, (1, 1, 11, 16)).repeat(2, 1)
+    out, lse = forward(q, k, v)   # so every row of lse is alike too
+    broadcast = np.broadcast_to(lse[:, :1, :1], lse.shape)
+    dout = randn(rng, out.shape)
+    got = attnkit.attention_backward(q, k, v, out, broadcast, dout)
+    want = attnkit.attention_backward(q, k, v, out, lse, dout)
+    for g, w in zip(got, want):
+        assert_bits_equal(g, w)
+
+
+@pytest.mark.parametrize("enable_gqa", ["no", None, 1])
+def test_enable_gqa_must_be_bool(rng, enable_gqa):
+    q, k, v = randn(rng, (1, 2, 4, 8)), randn(rng, (1, 2, 5, 8)), randn(rng, (1, 2, 5, 8))
+    out, lse = forward(q, k, v)
+    with pytest.raises(ValueError, match=f"enable_gqa must be True or False, got {enable_gqa!r}"):
+        attnkit.attention_backward(q, k, v, out, lse, out, enable_gqa=enable_gqa)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("D", [40, 128])
 def test_interleaved_buffers(rng, dtype, D):

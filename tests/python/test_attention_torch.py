@@ -1,6 +1,7 @@
 """attnkit.attention with torch tensors: agreement with torch SDPA (a second opinion next to
 the float64 reference), dtype/kind round trips, out=, torch.compile and torch.library.opcheck."""
 
+import numpy as np
 import pytest
 
 import attnkit
@@ -155,6 +156,34 @@ def test_seed_same_for_numpy_and_torch(rng, seed):
     out = torch.full((1, 2, 20, 16), float("nan"))
     attnkit.attention(*(to_torch(x) for x in (qn, kn, vn)), dropout_p=0.3, seed=seed, out=out)
     assert_bits_equal(out, a, f"torch out= vs numpy, seed {seed}")
+
+
+def test_negation_bit(rng):
+    """A tensor with torch's lazy negation bit (memory holds -x): the eager call takes the
+    dispatcher, which materialises it; a direct kernel call refuses it rather than read -x."""
+    z = torch.randn(1, 2, 5, 8, dtype=torch.complex64)
+    neg = z.conj().imag
+    assert neg.is_neg()
+    q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 7, 8)
+    want = torch.nn.functional.scaled_dot_product_attention(neg, k[..., :5, :], neg)
+    torch.testing.assert_close(attnkit.attention(neg, k[..., :5, :], neg), want)
+    out, lse = attnkit.attention(q, k, k, return_lse=True)
+    with pytest.raises(ValueError, match="dout has torch's lazy negation bit set"):
+        attnkit.attention_backward(q, k, k, out, lse, torch.complex(out, out).conj().imag)
+
+
+def test_numpy_uint64_seed_with_grad(rng):
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    seed = np.uint64(2**64 - 1)
+    want = attnkit.attention(q, k, v, dropout_p=0.5, seed=seed)
+    got = attnkit.attention(q.clone().requires_grad_(), k, v, dropout_p=0.5, seed=seed)
+    torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)
+
+
+def test_nested_tensor_message():
+    nested = torch.nested.nested_tensor([torch.randn(2, 3, 8)])
+    with pytest.raises(ValueError, match="q must be a dense \\(strided\\) tensor, got a nested tensor"):
+        attnkit.attention(nested, torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8))
 
 
 # ---------------------------------------------------------------------------------------

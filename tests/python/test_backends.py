@@ -253,6 +253,13 @@ def test_automatic_choice_none_validates(allow_lossy):
 
 # ----------------------------------------------------------------------------- impls
 
+def test_window_that_is_not_a_pair_is_a_reason():
+    reasons = SDPABackend.validate(head_size=64, num_heads=8, window=5)
+    assert any("window must be None or a pair" in r for r in reasons), reasons
+    with pytest.raises(ValueError, match="window must be None or a pair"):
+        SDPABackend.get_impl_cls()(8, 64, False, None, window=5)
+
+
 def test_impl_constructors_validate():
     with pytest.raises(ValueError, match="no dropout"):
         SageAttentionBackend.get_impl_cls()(num_heads=8, head_size=64, causal=False,

@@ -133,10 +133,12 @@ def test_empty_as_torch(rng, shapes):
     (((2, 8, 6, 16), (2, 3, 9, 16), (2, 3, 9, 16), None), {"enable_gqa": True}),  # 8 % 3
     (((2, 8, 6, 16), (2, 2, 9, 16), (2, 2, 9, 16), None), {}),           # GQA without enable_gqa
     (((2, 2, 6, 16), (3, 2, 9, 16), (3, 2, 9, 16), None), {}),           # batches 2 and 3
+    (((1, 2, 6, 16), (1, 2, 9, 16), (1, 2, 9, 16), ((6, 9), torch.float16)), {}),  # fp16 mask, fp32 q
 ])
 def test_what_torch_refuses_is_refused(rng, shapes, kw):
     q, k, v = (rand(rng, s) for s in shapes[:3])
-    mask = None if shapes[3] is None else torch.zeros(shapes[3])
+    mask = None if shapes[3] is None else (torch.zeros(shapes[3][0], dtype=shapes[3][1])
+                                           if isinstance(shapes[3][-1], torch.dtype) else torch.zeros(shapes[3]))
     with pytest.raises(RuntimeError) as want:
         F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
     with warnings.catch_warnings():

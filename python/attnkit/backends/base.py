@@ -95,7 +95,10 @@ class AttentionConfig:
     @property
     def modifiers(self) -> Tuple[str, ...]:
         """The score modifiers this configuration asks for, in MODIFIERS order."""
-        asked = (self.window is not None and tuple(self.window) != (-1, -1), self.softcap is not None,
+        # (a window that is not a pair counts as asked for: _modifier_value_reasons refuses it)
+        window_asked = self.window is not None and (not isinstance(self.window, (tuple, list))
+                                                    or tuple(self.window) != (-1, -1))
+        asked = (window_asked, self.softcap is not None,
                  bool(self.alibi), bool(self.sinks))
         return tuple(m for m, on in zip(MODIFIERS, asked) if on)
 
