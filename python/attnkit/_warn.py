@@ -1,6 +1,7 @@
 """One warning per reason per process, thread-safe: how the drop-ins and integrations say
 that a call went to their framework's own kernel, and why."""
 
+import sys
 import threading
 import warnings
 
@@ -16,6 +17,9 @@ class WarnOnce:
         self.reasons = set()
 
     def __call__(self, reason):
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.compiler.is_compiling():
+            return  # no warning while torch.compile traces: dynamo cannot trace the lock
         with self._lock:
             if reason in self.reasons:
                 return

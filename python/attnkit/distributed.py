@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .merge import merge_attention_states
+from ._torch_ops import check_no_grad
 from .ops import causal_code, run_attention
 
 __all__ = ["shard_heads", "local_heads", "sequence_segments", "shard_sequence", "gather_sequence",
@@ -353,8 +354,10 @@ def ring_attention(q, k, v, *, group=None, causal=False, scale=None, layout="zig
     RuntimeError (e.g. a rank that never calls); the group is then unusable, as after any
     failed collective. timings, if a list, gets one dict per ring step: {"step",
     "compute_s" (attention calls and merges), "merge_s" (of which merges and copies),
-    "wait_s" (transfer not hidden)}. Forward only (no autograd).
+    "wait_s" (transfer not hidden)}. Forward only (no autograd): an input that requires grad
+    in grad mode is a ValueError, as on attnkit's other ops without a backward.
     """
+    check_no_grad("ring_attention", (("q", q), ("k", k), ("v", v)))
     rank, world = _rank_and_size(group)
     timeout = _DEFAULT_TIMEOUT if timeout is None else timeout
     descs = _exchange(_describe(q, k, v, out, causal, scale, layout, enable_gqa, return_lse, timeout), group,

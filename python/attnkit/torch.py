@@ -28,6 +28,7 @@ row with no attendable key gives 0 (as torch 2.13's CPU kernels do).
 """
 
 import contextlib
+import math
 import threading
 
 import torch
@@ -47,12 +48,17 @@ _MAX_HEAD_DIM = 512
 _warn_once = WarnOnce("attnkit.torch.scaled_dot_product_attention", "using torch's own kernel")
 
 
-def _fallback_reason(query, key, value, attn_mask):
+def _fallback_reason(query, key, value, attn_mask, dropout_p, scale):
     """Why attnkit cannot compute this call ("" = it can, None = leave it to torch quietly:
-    arguments torch itself rejects, or inputs with no elements)."""
+    arguments torch itself rejects, inputs with no elements, and the edge values whose
+    result torch defines where attnkit.attention refuses them: dropout_p 1, an infinite scale)."""
     tensors = (query, key, value) if attn_mask is None else (query, key, value, attn_mask)
     if not all(isinstance(t, torch.Tensor) for t in tensors):
         return None
+    if dropout_p >= 1.0 or (scale is not None and not math.isfinite(real_scalar(scale, "scale"))):
+        return None
+    if attn_mask is not None and not 2 <= attn_mask.dim() <= max(query.dim(), key.dim(), value.dim()):
+        return None  # torch refuses a mask of one dim, or of more dims than the inputs
     if any(t.is_nested for t in tensors):
         return "nested tensors"
     if any(t.device.type != "cpu" for t in tensors):
@@ -99,7 +105,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     is_causal = flag(is_causal, "is_causal")
     enable_gqa = flag(enable_gqa, "enable_gqa")
     dropout_p = real_scalar(dropout_p, "dropout_p")
-    reason = _fallback_reason(query, key, value, attn_mask)
+    reason = _fallback_reason(query, key, value, attn_mask, dropout_p, scale)
     if reason == "":
         try:
             return _attnkit_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
@@ -156,6 +162,8 @@ def _attnkit_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         mask = _pad(attn_mask, ndim)
         mask4 = attn_mask if ndim == 4 else _as_4d_batch(mask, batch, mask.shape[-3])
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    # enable_gqa=True below: which head layouts are legal was decided above (heads == hk is a
+    # group of one), and a comparison of head counts would be a SymBool under dynamic shapes.
     seed = None
     if dropout_p > 0.0:
         if torch.compiler.is_compiling():
@@ -166,14 +174,14 @@ def _attnkit_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
             seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64).item())
     if needs_grad:  # autograd through attnkit::attention; expand and reshape carry the rest
         out4 = attention(q4, k4, v4, attn_mask=mask4, causal=is_causal, scale=scale, dropout_p=dropout_p,
-                         seed=seed, enable_gqa=heads != hk)
+                         seed=seed, enable_gqa=True)
         out = out4.reshape(out_shape)
         result_ndim = max(query.dim(), key.dim(), value.dim())
         return out.view(out_shape[ndim - result_ndim:]) if result_ndim < ndim else out
     out = query.new_empty(out_shape)
     out4 = out if len(batch) == 1 else out.view(-1, heads, *out_shape[-2:])
     attention(q4, k4, v4, attn_mask=mask4, causal=is_causal, scale=scale, dropout_p=dropout_p, seed=seed,
-              enable_gqa=heads != hk, out=out4)
+              enable_gqa=True, out=out4)
     result_ndim = max(query.dim(), key.dim(), value.dim())
     return out.view(out_shape[ndim - result_ndim:]) if result_ndim < ndim else out
 

@@ -111,6 +111,14 @@ def test_needs_an_initialised_group():
         ad.ring_attention(q, q, q)
 
 
+def test_ring_refuses_inputs_that_require_grad():
+    """Forward only: an input that requires grad is refused (before any collective), not
+    silently detached."""
+    q = torch.ones(1, 1, 2, 4, requires_grad=True)
+    with pytest.raises(ValueError, match="ring_attention has no backward yet, and q requires grad"):
+        ad.ring_attention(q, q.detach(), q.detach())
+
+
 # ---- spawned groups
 
 def _init(rank, world, store_path):

@@ -135,3 +135,29 @@ def test_sage_grad_falls_back_to_native():
         out = ak_df.sage_attention(q, q, q)
     out.sum().backward()
     assert q.grad is not None
+
+
+def test_two_dim_mask_pads_keys_per_batch_entry():
+    """A [B, Skv] mask means [B, 1, 1, Skv] to diffusers' native backend; the same here, also
+    where Sq == B would let it broadcast as [Sq, Skv] instead."""
+    g = torch.Generator().manual_seed(3)
+    for sq in (2, 3):
+        q, k, v = torch.randn(2, sq, 2, 8, generator=g), torch.randn(2, 5, 2, 8, generator=g), torch.randn(
+            2, 5, 2, 8, generator=g)
+        mask = torch.tensor([[True, True, False, False, False], [True, True, True, True, False]])
+        got = dispatch.dispatch_attention_fn(q, k, v, attn_mask=mask, backend="attnkit")
+        want = dispatch.dispatch_attention_fn(q, k, v, attn_mask=mask, backend="native")
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_dropout_under_fullgraph_compile():
+    """Dropout compiles (fullgraph): without grad the op draws its seed at run time; with grad
+    (the backward would need a seed drawn at trace time) the call goes to the native backend."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 6, 2, 8, generator=g) for _ in range(3))
+    fn = torch.compile(lambda q, k, v: dispatch.dispatch_attention_fn(q, k, v, dropout_p=0.1, backend="attnkit"),
+                       fullgraph=True)
+    assert fn(q, k, v).shape == (1, 6, 2, 8)
+    qg = q.clone().requires_grad_()
+    fn(qg, k, v).sum().backward()
+    assert qg.grad is not None and torch.isfinite(qg.grad).all()

@@ -214,3 +214,55 @@ def test_llama_greedy_generation_identical(llamas):
     want = llamas["sdpa"].generate(input_ids=ids, attention_mask=mask, **kw)
     assert got.shape == (2, 19)
     assert torch.equal(got, want), (got, want)
+
+
+def test_mask_edited_in_place_is_read_again():
+    """The key lengths are cached per mask object for the layers of one forward; a mask
+    written in place between calls (its version counter moves) is looked at again."""
+    B, S = 2, 8
+    mask = (torch.arange(S)[None, :] < torch.tensor([5, 8])[:, None])[:, None, None, :].expand(B, 1, S, S).clone()
+    assert ak_tf._right_padding(mask).tolist() == [5, 8]
+    mask[0, :, :, 3:] = False
+    assert ak_tf._right_padding(mask).tolist() == [3, 8]
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_gpt_oss_sinks(train):
+    """gpt-oss passes its learned sinks as s_aux: they join the softmax denominator (attnkit's
+    sinks), not dropped; in training the sinks get attnkit's gradient. Against eager, fp32."""
+    cfg = transformers.GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
+                                    num_experts_per_tok=1, max_position_embeddings=64, sliding_window=4,
+                                    layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(cfg).train(train)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0, 2.0)
+    ids = torch.randint(1, 64, (2, 10), generator=torch.Generator().manual_seed(1))
+    results = {}
+    for impl in ("eager", "attnkit"):
+        model.set_attn_implementation(impl)
+        model.zero_grad()
+        with torch.set_grad_enabled(train):
+            logits = model(input_ids=ids).logits
+        if train:
+            logits.square().mean().backward()
+        results[impl] = (logits.detach(), [layer.self_attn.sinks.grad for layer in model.model.layers])
+    torch.testing.assert_close(results["attnkit"][0], results["eager"][0], atol=1e-5, rtol=1e-4)
+    if train:
+        for got, want in zip(results["attnkit"][1], results["eager"][1]):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
+
+
+def test_padded_encoder_compiles_fullgraph(minilm):
+    """Under torch.compile the right-padding test (which reads the mask's values) is skipped:
+    the masked dense path traces as one graph, and agrees with the eager run (1e-4, the
+    module's tolerance: inductor fuses the LayerNorms and GELUs around attention)."""
+    tok, models = minilm
+    batch = tok(SENTENCES, padding=True, return_tensors="pt")
+    model = models["attnkit"]
+    with torch.no_grad():
+        want = model(**batch).last_hidden_state
+        got = torch.compile(model, fullgraph=True)(**batch).last_hidden_state
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

@@ -329,3 +329,39 @@ def test_override_under_compile_traces_the_op(rng):
     torch._dynamo.reset()
     assert any("attnkit.attention" in g for g in graphs), graphs
     assert_bits_equal(got, attnkit.attention(q, k, v, causal=True))
+
+
+def test_edge_values_torch_defines_go_to_torch(rng):
+    """dropout_p = 1 (all dropped: zeros) and an infinite scale are defined by torch and refused
+    by attnkit.attention: the drop-in leaves them to torch, quietly, and matches it."""
+    q, k, v = (rand(rng, (1, 2, 5, 8)) for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for kw in (dict(dropout_p=1.0), dict(scale=float("inf"))):
+            torch.testing.assert_close(ak.scaled_dot_product_attention(q, k, v, **kw),
+                                       F.scaled_dot_product_attention(q, k, v, **kw), equal_nan=True)
+
+
+@pytest.mark.parametrize("mask_shape,q_shape", [((5,), (1, 2, 5, 8)), ((1, 2, 5, 5), (2, 5, 8))])
+def test_masks_torch_refuses_go_to_torch(rng, mask_shape, q_shape):
+    """A 1-d mask, or one with more dims than the inputs: torch's own error."""
+    q = rand(rng, q_shape)
+    mask = torch.ones(mask_shape, dtype=torch.bool)
+    with pytest.raises(Exception) as want:
+        F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    with pytest.raises(Exception) as got:
+        ak.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    assert type(got.value) is type(want.value) and str(got.value) == str(want.value)
+
+
+def test_dynamic_shapes_compile_fullgraph(rng):
+    """Under dynamic shapes the head counts are symbolic: the drop-in passes no comparison of
+    them as a flag (it was a SymBool, refused as not a bool)."""
+    q, k, v = rand(rng, (1, 4, 6, 8)), rand(rng, (1, 2, 7, 8)), rand(rng, (1, 2, 7, 8))
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, k, v: ak.scaled_dot_product_attention(q, k, v, enable_gqa=True), fullgraph=True,
+                      dynamic=True)
+    with torch.no_grad():
+        got = f(q, k, v)
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, enable_gqa=True))

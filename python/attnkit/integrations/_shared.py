@@ -22,4 +22,16 @@ def needs_backward(*tensors):
 
 
 def dropout_seed(dropout_p):
-    return int(torch.randint(0, 2**63 - 1, ()).item()) if dropout_p else None
+    """None without dropout, and under torch.compile: the op then draws a seed at run time
+    (never at trace time), which a call without backward needs no more than that."""
+    if not dropout_p or torch.compiler.is_compiling():
+        return None
+    return int(torch.randint(0, 2**63 - 1, ()).item())
+
+
+def compiled_dropout_reason(dropout_p, tensors):
+    """Why a dropout call goes to the framework's kernel: under torch.compile no seed is drawn
+    at trace time, and attnkit's backward would need the forward's."""
+    if dropout_p and torch.compiler.is_compiling() and needs_backward(*tensors):
+        return "dropout with inputs that require grad under torch.compile"
+    return None

@@ -3,7 +3,8 @@ after ``register()``, ``model.set_attention_backend("attnkit")`` or
 ``with attention_backend("attnkit"): ...`` runs every dispatched attention on attnkit.
 
 - "attnkit": exact attention (attnkit.attention, torch SDPA semantics: masks, causal,
-  scale, dropout, GQA).
+  scale, dropout, GQA); a 2-d mask [B, Skv] pads each batch entry's keys, as diffusers'
+  native backend reads it.
 - "attnkit_sage": SageAttention-style int8 attention (attnkit.sage_attention(mode="int8")),
   lossy, so only when named: no mask and no dropout (a ValueError, as diffusers' own sage
   backend refuses a mask).
@@ -22,7 +23,7 @@ import enum
 
 import attnkit
 from attnkit._warn import WarnOnce
-from attnkit.integrations._shared import dropout_seed, needs_backward, uncomputable_reason
+from attnkit.integrations._shared import compiled_dropout_reason, dropout_seed, needs_backward, uncomputable_reason
 
 EXACT = "attnkit"
 SAGE = "attnkit_sage"
@@ -30,9 +31,9 @@ SAGE = "attnkit_sage"
 _warn_once = WarnOnce("attnkit's diffusers backend", "using diffusers' native backend")
 
 
-def _native_reason(query, key, value, attn_mask, has_backward):
+def _native_reason(query, key, value, attn_mask, has_backward, dropout_p=0.0):
     tensors = [query, key, value] + ([attn_mask] if attn_mask is not None else [])
-    reason = uncomputable_reason(query, value, tensors)
+    reason = uncomputable_reason(query, value, tensors) or compiled_dropout_reason(dropout_p, tensors)
     if reason is not None:
         return reason
     if not has_backward and needs_backward(*tensors):
@@ -56,10 +57,12 @@ def exact_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
                     enable_gqa=False, return_lse=False, _parallel_config=None):
     """The "attnkit" backend: [B, S, H, D] in and out; lse [B, H, S] with return_lse."""
     _no_context_parallel(_parallel_config)
-    reason = _native_reason(query, key, value, attn_mask, has_backward=True)
+    reason = _native_reason(query, key, value, attn_mask, has_backward=True, dropout_p=dropout_p)
     if reason is not None:
         _warn_once(reason)
         return _native(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse)
+    if attn_mask is not None and attn_mask.dim() == 2 and tuple(attn_mask.shape) == (query.shape[0], key.shape[1]):
+        attn_mask = attn_mask[:, None, None, :]  # [B, Skv] pads keys per batch entry, as the native backend reads it
     return attnkit.attention(query, key, value, attn_mask=attn_mask, causal=bool(is_causal), scale=scale,
                              dropout_p=dropout_p, seed=dropout_seed(dropout_p),
                              enable_gqa=query.shape[2] != key.shape[2] or enable_gqa, layout="BSHD",
