@@ -50,6 +50,8 @@ for _name in ("merge_attention_states", "merge_attention_states_out", "merge_att
 
 
 def _same_view(x, y):
+    if torch.compiler.is_compiling():  # dynamo cannot compare data pointers; the same tensor it can
+        return x is y
     return (x.data_ptr() == y.data_ptr() and x.dtype == y.dtype and x.shape == y.shape
             and x.stride() == y.stride())
 

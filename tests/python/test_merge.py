@@ -372,3 +372,26 @@ def test_torch_compile_fullgraph(rng):
     want = f(*args)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_out_buffers_compile_fullgraph(rng):
+    """out= / lse_out= into caller buffers and the in-place form trace (the in-place test
+    compares tensors, not data pointers, under torch.compile)."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(2, 3, 4, 8, generator=g), torch.randn(2, 3, 4, 8, generator=g)
+    la, lb = torch.randn(2, 3, 4, generator=g), torch.randn(2, 3, 4, generator=g)
+    want = attnkit.merge_attention_states(a, la, b, lb)
+    torch._dynamo.reset()
+    into = torch.compile(lambda a, la, b, lb, o, lo: attnkit.merge_attention_states(a, la, b, lb, out=o, lse_out=lo),
+                         fullgraph=True, backend="aot_eager")
+    got = into(a, la, b, lb, torch.empty_like(a), torch.empty_like(la))
+    in_place = torch.compile(lambda a, la, b, lb: attnkit.merge_attention_states(a, la, b, lb, out=a, lse_out=la),
+                             fullgraph=True, backend="aot_eager")
+    acc, acc_lse = a.clone(), la.clone()
+    in_place(acc, acc_lse, b, lb)
+    torch._dynamo.reset()
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    torch.testing.assert_close(acc, want[0], rtol=0, atol=0)
+    torch.testing.assert_close(acc_lse, want[1], rtol=0, atol=0)
