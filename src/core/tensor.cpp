@@ -59,7 +59,14 @@ TensorView::TensorView(void* data, DType dtype, std::initializer_list<int64_t> s
   for (int64_t s : strides) this->strides[d++] = s;
 }
 
+namespace {
+[[noreturn]] void throw_bad_rank(const TensorView& t) {
+  throw Error("TensorView: rank " + std::to_string(t.rank) + " is outside [0, " + std::to_string(kMaxRank) + "]");
+}
+}  // namespace
+
 int64_t TensorView::numel() const {
+  if (rank < 0 || rank > kMaxRank) throw_bad_rank(*this);
   int64_t n = 1;
   for (int d = 0; d < rank; ++d) {
     if (shape[d] == 0) return 0;  // empty, whatever the other sizes
@@ -79,6 +86,7 @@ bool TensorView::is_contiguous() const {
 }
 
 std::string TensorView::shape_str() const {
+  if (rank < 0 || rank > kMaxRank) return "(rank " + std::to_string(rank) + ", outside [0, 6])";
   std::string s = "[";
   for (int d = 0; d < rank; ++d) s += (d ? ", " : "") + std::to_string(shape[d]);
   return s + "]";

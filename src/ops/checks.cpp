@@ -18,13 +18,24 @@ float check_float32_scale(double value, const char* name) {
   return rounded;
 }
 
+void check_view(const TensorView& t, const char* name) {
+  if (t.rank < 0 || t.rank > kMaxRank) fail(name, " must have 0 to ", kMaxRank, " dims, got rank ", t.rank);
+  if (t.data != nullptr) return;
+  for (int d = 0; d < t.rank; ++d) {
+    if (t.shape[d] == 0) return;  // empty: nothing is addressed
+  }
+  fail(name, " has no data (a null pointer) for its shape ", t.shape_str());
+}
+
 void check_rank(const TensorView& t, const char* name, int rank, const std::string& dims) {
+  check_view(t, name);
   if (t.rank != rank) {
     fail(name, " must be a ", rank, "-d tensor ", dims, ", got ", t.rank, "-d ", t.shape_str());
   }
 }
 
 void check_sizes_nonnegative(const TensorView& t, const char* name) {
+  check_view(t, name);
   for (int d = 0; d < t.rank; ++d) {
     if (t.shape[d] < 0) fail(name, " sizes must be non-negative, got ", t.shape_str());
   }
@@ -41,6 +52,7 @@ void check_sizes_nonnegative(const TensorView& t, const char* name) {
 
 void broadcast_strides(const TensorView& t, const char* name, std::initializer_list<int64_t> target,
                        const char* target_desc, int64_t* strides_out) {
+  check_view(t, name);
   const int n = static_cast<int>(target.size());
   if (t.rank > n) {
     fail(name, " must have at most ", n, " dims (broadcastable to ", target_desc, "), got ",
@@ -114,6 +126,7 @@ bool nested(Dim* dims, int n) {
 }  // namespace
 
 void check_writable_layout(const TensorView& t, const char* name) {
+  check_view(t, name);
   if (t.numel() == 0) return;  // nothing is written
   check_reach(t, name);
   Dim dims[kMaxRank];
@@ -154,9 +167,9 @@ struct Span {
   uintptr_t begin, end;  // [begin, end) in bytes; empty when begin == end
 };
 Span span_of(const TensorView& t, const char* name) {
+  check_view(t, name);
   if (t.numel() == 0) return {0, 0};
   check_reach(t, name);  // so that none of the sums below overflows
-  if (t.data == nullptr) return {0, 0};
   int64_t lo = 0, hi = 0;
   for (int d = 0; d < t.rank; ++d) {
     const int64_t reach = (t.shape[d] - 1) * t.strides[d];
@@ -198,6 +211,7 @@ void check_no_overlap(const TensorView& a, const char* a_name, const TensorView&
 }
 
 void check_output(const TensorView& t, const char* name, DType dtype, std::initializer_list<int64_t> shape) {
+  check_view(t, name);
   bool ok = t.rank == static_cast<int>(shape.size());
   for (int d = 0; ok && d < t.rank; ++d) ok = t.shape[d] == shape.begin()[d];
   if (!ok) {
@@ -210,6 +224,7 @@ void check_output(const TensorView& t, const char* name, DType dtype, std::initi
 }
 
 void check_like(const TensorView& t, const char* name, const TensorView& like, const char* like_name) {
+  check_view(t, name);
   if (t.rank != like.rank) {
     fail(name, " must be a ", like.rank, "-d tensor with ", like_name, "'s shape ", like.shape_str(), ", got ", t.rank,
          "-d");

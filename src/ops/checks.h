@@ -32,6 +32,10 @@ template <class... Parts>
 // in float32). Returns it rounded to float32.
 float check_float32_scale(double value, const char* name);
 
+// Every view an op reads or writes: a rank in [0, kMaxRank], and data (not null) unless it
+// has no elements. The other helpers here check it first.
+void check_view(const TensorView& t, const char* name);
+
 // t must have `rank` dims; `dims` describes them, e.g. "[B, Hq, Sq, D] (layout BHSD)".
 void check_rank(const TensorView& t, const char* name, int rank, const std::string& dims);
 // Sizes >= 0 and an element count that fits in int64.

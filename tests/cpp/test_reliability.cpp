@@ -1,6 +1,7 @@
 // Reliability of the C++ API (issue 12): NaN and inf in q and k propagate through int8
 // sage_attention exactly as through exact attention; sizes and strides whose offsets
-// overflow int64 and self-overlapping outputs are errors; scales are checked in float32;
+// overflow int64, self-overlapping outputs, null data and ranks outside [0, 6] are errors;
+// scales are checked in float32;
 // empty K/V may have a null data pointer (dense and varlen); bf16 K may start at an odd element.
 #include <gtest/gtest.h>
 
@@ -104,6 +105,52 @@ TEST(Reliability, SelfOverlappingOutIsRejected) {
   for (int h = 0; h < 2; ++h)
     for (int i = 0; i < 2; ++i)
       for (int d = 0; d < 3; ++d) EXPECT_EQ(odd[h * 8 + i * 3 + d * 2], ref[(h * 2 + i) * 3 + d]);
+}
+
+// A view an op reads or writes has a rank in [0, 6] and, unless it is empty, data: a null
+// pointer was read (q, out) or taken for "not given" (lse, mask, sinks, alibi_slopes).
+TEST(Reliability, NullDataAndBadRanksAreErrors) {
+  std::vector<float> q = randn(16, 2), out(16), lse(2), mask(4, 0.0f), per_head(1, 0.5f);
+  AttentionArgs a;
+  a.q = a.k = a.v = TensorView(q.data(), DType::float32, {1, 1, 2, 8});
+  a.out = TensorView(out.data(), DType::float32, {1, 1, 2, 8});
+  a.lse = TensorView(lse.data(), DType::float32, {1, 1, 2});
+  a.attn_mask = TensorView(mask.data(), DType::float32, {1, 1, 2, 2});
+  a.sinks = TensorView(per_head.data(), DType::float32, {1});
+  a.alibi_slopes = TensorView(per_head.data(), DType::float32, {1});
+  EXPECT_EQ(error_of(attention, a), "no error");
+  auto without_data = [&](TensorView& t, const std::string& message) {
+    void* saved = t.data;
+    t.data = nullptr;
+    EXPECT_EQ(error_of(attention, a), message);
+    t.data = saved;
+  };
+  without_data(a.q, "q has no data (a null pointer) for its shape [1, 1, 2, 8]");
+  without_data(a.out, "out has no data (a null pointer) for its shape [1, 1, 2, 8]");
+  without_data(*a.lse, "lse has no data (a null pointer) for its shape [1, 1, 2]");
+  without_data(*a.attn_mask, "attn_mask has no data (a null pointer) for its shape [1, 1, 2, 2]");
+  without_data(*a.sinks, "sinks has no data (a null pointer) for its shape [1]");
+  without_data(*a.alibi_slopes, "alibi_slopes has no data (a null pointer) for its shape [1]");
+  for (const int rank : {7, 2000, -1}) {
+    const int saved = a.attn_mask->rank;
+    a.attn_mask->rank = rank;
+    EXPECT_EQ(error_of(attention, a), "attn_mask must have 0 to 6 dims, got rank " + std::to_string(rank));
+    a.attn_mask->rank = saved;
+  }
+  EXPECT_EQ(error_of(attention, a), "no error");
+
+  std::vector<float> state(16), lse_state(2);
+  MergeStatesArgs m;
+  m.out_a = m.out_b = TensorView(q.data(), DType::float32, {2, 1, 8});
+  m.lse_a = m.lse_b = TensorView(lse.data(), DType::float32, {2, 1});
+  m.out = TensorView(state.data(), DType::float32, {2, 1, 8});
+  m.lse_out = TensorView(nullptr, DType::float32, {2, 1});
+  try {
+    merge_attention_states(m);
+    ADD_FAILURE() << "a null lse_out was accepted";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "lse_out has no data (a null pointer) for its shape [2, 1]");
+  }
 }
 
 TEST(Reliability, ScalesAreCheckedInFloat32) {

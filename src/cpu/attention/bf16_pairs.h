@@ -462,7 +462,8 @@ void prepare_v_pairs(const AttentionParams& p, const Plan& plan, uint32_t* v_pai
                            p.v_stride[3], p.Dv, dv_pad, dst);
     }
   };
-  AlignedBuffer<uint32_t> scratch(plan.v_slabs ? kLanes * dv_pad * detail::num_threads() : 0);
+  const int threads = detail::num_threads();  // read once: the scratch must cover every task's thread
+  AlignedBuffer<uint32_t> scratch(plan.v_slabs ? kLanes * dv_pad * threads : 0);
   auto body = [&](int64_t head, int thread) {
     const int64_t b = head / p.Hkv, kvh = head % p.Hkv, skv = p.kv_len ? p.kv_len[b] : p.Skv;
     const uint16_t* v =
@@ -477,7 +478,7 @@ void prepare_v_pairs(const AttentionParams& p, const Plan& plan, uint32_t* v_pai
                        kLanes);
     }
   };
-  detail::parallel_for(p.B * p.Hkv, detail::num_threads(), body);
+  detail::parallel_for(p.B * p.Hkv, threads, body);
 }
 
 #else
