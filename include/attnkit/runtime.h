@@ -60,8 +60,9 @@ std::string isa_rule();  // the default variant and why, e.g. "avx512bf16: Authe
 // measure_peak_gflops: the rate of one instruction in independent chains, in GFLOP/s (GOP/s
 // for vpdpbusd), counting 2 per multiply-add: "fp32 FMA" (vfmadd231ps at the active ISA's
 // width, 2 per fp32 lane), "vdpbf16ps" (4 per fp32 lane: 2 bf16 products), "vpdpbusd" (8 per
-// int32 lane: 4 u8 × s8 products), "fp16 FMA" (vfmadd231ph, 2 per fp16 lane); 0 where this CPU
-// or build lacks the instruction; throws Error for another name. The read rate streams a
+// int32 lane: 4 u8 × s8 products), "fp16 FMA" (vfmadd231ph, 2 per fp16 lane), and AMX's
+// "tdpbf16ps" / "tdpbusd" (peak_instructions() lists them all); 0 where this CPU or build
+// lacks the instruction; throws Error for another name. The read rate streams a
 // buffer far larger than the last-level cache.
 std::vector<std::string> peak_instructions();
 double measure_peak_gflops(const std::string& instruction, int threads);
@@ -69,7 +70,7 @@ double measure_fma_peak_gflops(int threads);  // measure_peak_gflops("fp32 FMA",
 double measure_read_bandwidth_gbs(int threads);
 
 std::string version();
-std::string build_info();  // compiler, ISAs compiled in, CPU features seen
-std::string cpu_features();
+std::string build_info();    // compiler and the ISAs compiled in
+std::string cpu_features();  // the CPU features this machine reports
 
 }  // namespace attnkit
