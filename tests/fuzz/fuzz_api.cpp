@@ -15,7 +15,8 @@
 // outputs), or it returns with every output element written (outputs are poisoned with a
 // signalling-NaN pattern no kernel writes) and nothing outside them touched; inputs are never
 // modified either way. Valid calls on finite inputs are also compared on a few elements with
-// a double-precision reference (append_kv_cache: every cache element, bit for bit).
+// a double-precision reference (append_kv_cache: every cache element, bit for bit): every
+// exact op; not sage's lossy modes or the sparse MLA ops (tests/python compares those).
 //
 //   attnkit_fuzz [--seconds S] [--calls N] [--seed X] [--replay SEED] [--verbose]
 // S defaults to ATTNKIT_FUZZ_SECONDS or 120. Each call has its own seed, printed on
@@ -482,9 +483,13 @@ std::vector<int64_t> layout_shape(attnkit::Layout layout, int64_t b, int64_t h, 
   return layout == attnkit::Layout::BHSD ? std::vector<int64_t>{b, h, s, d} : std::vector<int64_t>{b, s, h, d};
 }
 
+void check_attention_rows(Call& c, const attnkit::AttentionArgs& a, int64_t Hq, int64_t Hkv, int64_t Sq,
+                          int64_t Skv, int64_t D, int64_t Dv);
+
 bool fuzz_attention(Call& c, Api api) {
   Rng& rng = c.rng;
   const bool sage = api != Api::attention, fp4 = api == Api::sage_fp4;
+  c.specials = sage || rng.chance(0.2);  // exact attention on finite inputs is compared with a reference
   int64_t B = rng.pick<int64_t>({0, 1, 1, 2, 3}), Hkv = rng.pick<int64_t>({0, 1, 1, 2, 3});
   const int64_t group = rng.pick<int64_t>({1, 1, 2, 3, 4, 8});
   int64_t Hq = Hkv * group;
@@ -550,7 +555,12 @@ bool fuzz_attention(Call& c, Api api) {
     s.mode = fp4 ? attnkit::SageMode::fp4 : attnkit::SageMode::int8;
     return c.run([&] { attnkit::sage_attention(s); });
   }
-  return c.run([&] { attnkit::attention(a); });
+  if (!c.run([&] { attnkit::attention(a); })) return false;
+  // (a scale of 3e38 overflows the float32 scores, as in every float32 attention)
+  if (!c.specials && a.dropout_p == 0 && (!a.scale || std::fabs(*a.scale) < 100)) {
+    check_attention_rows(c, a, Hq, Hkv, Sq, Skv, D, Dv);
+  }
+  return true;
 }
 
 // ---- sparse MLA
@@ -705,6 +715,48 @@ void expect_row(const RowRef& want, const std::function<double(int64_t)>& out, s
     expect_near(out(static_cast<int64_t>(e)), want.out[e], tol, what + " out[" + std::to_string(e) + "]");
   }
   if (lse) expect_near(*lse, want.lse, 2e-5 * (1 + want.smax) + 1e-5 * std::fabs(want.lse), what + " lse");
+}
+
+// A valid dense attention call (finite inputs, no dropout): four random query rows against
+// attend_row, with the causal conventions, the mask (bool: visible where set; float: added
+// to the scores) broadcast from its trailing dims, GQA and either layout.
+void check_attention_rows(Call& c, const attnkit::AttentionArgs& a, int64_t Hq, int64_t Hkv, int64_t Sq,
+                          int64_t Skv, int64_t D, int64_t Dv) {
+  const int64_t B = a.q.shape[0];
+  if (B * Hq * Sq == 0) return;
+  const bool bhsd = a.layout == attnkit::Layout::BHSD;
+  auto at4 = [&](const TensorView& t, int64_t b, int64_t h, int64_t s, int64_t d) {
+    return bhsd ? at(t, {b, h, s, d}) : at(t, {b, s, h, d});
+  };
+  auto mask_at = [&](int64_t b, int64_t h, int64_t i, int64_t j) {
+    const TensorView& m = *a.attn_mask;
+    const int64_t index[4] = {b, h, i, j};
+    int64_t off = 0;
+    for (int d = 0; d < m.rank; ++d) off += (m.shape[d] == 1 ? 0 : index[4 - m.rank + d]) * m.strides[d];
+    return load_value(m.dtype, static_cast<const uint8_t*>(m.data) + off * static_cast<int64_t>(attnkit::dtype_size(m.dtype)));
+  };
+  const double scale = static_cast<float>(a.scale ? *a.scale : 1.0 / std::sqrt(static_cast<double>(D)));
+  const bool bool_mask = a.attn_mask && a.attn_mask->dtype == DType::boolean;
+  for (int probe = 0; probe < 4; ++probe) {
+    const int64_t b = c.rng.range(0, B - 1), h = c.rng.range(0, Hq - 1), i = c.rng.range(0, Sq - 1);
+    const int64_t g = h / (Hq / Hkv);
+    auto visible = [&](int64_t j) {
+      if (a.causal == attnkit::Causal::top_left && j > i) return false;
+      if (a.causal == attnkit::Causal::bottom_right && j > i + Skv - Sq) return false;
+      return !bool_mask || mask_at(b, h, i, j) != 0;
+    };
+    auto score = [&](int64_t j) {
+      double dot = 0;
+      for (int64_t d = 0; d < D; ++d) dot += at4(a.q, b, h, i, d) * at4(a.k, b, g, j, d);
+      return dot * scale + (a.attn_mask && !bool_mask ? mask_at(b, h, i, j) : 0.0);
+    };
+    auto value = [&](int64_t j, int64_t e) { return at4(a.v, b, g, j, e); };
+    const RowRef want = attend_row(Skv, Dv, visible, score, value, std::nullopt);
+    std::optional<double> lse;
+    if (a.lse) lse = at(*a.lse, {b, h, i});
+    expect_row(want, [&](int64_t e) { return at4(a.out, b, h, i, e); }, lse, a.q.dtype,
+               "row (" + std::to_string(b) + ", " + std::to_string(h) + ", " + std::to_string(i) + ")");
+  }
 }
 
 // Valid score modifiers for the serving ops, sometimes (invalid ones when bad is set).
