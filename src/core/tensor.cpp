@@ -86,7 +86,7 @@ bool TensorView::is_contiguous() const {
 }
 
 std::string TensorView::shape_str() const {
-  if (rank < 0 || rank > kMaxRank) return "(rank " + std::to_string(rank) + ", outside [0, 6])";
+  if (rank < 0 || rank > kMaxRank) return "(rank " + std::to_string(rank) + ", outside [0, " + std::to_string(kMaxRank) + "])";
   std::string s = "[";
   for (int d = 0; d < rank; ++d) s += (d ? ", " : "") + std::to_string(shape[d]);
   return s + "]";
