@@ -22,6 +22,7 @@ using detail::check_output;
 using detail::fail;
 
 void check_int32_vector(const TensorView& t, const char* name, int64_t n, const char* what) {
+  detail::check_view(t, name);
   if (t.rank != 1 || t.shape[0] != n || t.dtype != DType::int32) {
     fail(name, " must be int32 of shape [", n, "] (", what, "), got ", dtype_name(t.dtype), " of shape ", t.shape_str());
   }
@@ -76,6 +77,7 @@ void flash_mla_with_kvcache(const MlaDecodeArgs& a) {
   const float logit_scale = detail::check_float32_scale(scale, "softmax_scale");
   if (a.attn_sink) {
     const TensorView& s = *a.attn_sink;
+    detail::check_view(s, "attn_sink");
     if (s.rank != 1 || s.shape[0] != h_q || s.dtype != DType::float32) {
       fail("attn_sink must be float32 of shape [", h_q, "] (num_heads_q), got ", dtype_name(s.dtype), " of shape ", s.shape_str());
     }
@@ -85,6 +87,7 @@ void flash_mla_with_kvcache(const MlaDecodeArgs& a) {
   // 3. The rows: indices and topk_length (sparse), or block_table and cache_seqlens (dense).
   if (sparse) {
     const TensorView& idx = *a.indices;
+    detail::check_view(idx, "indices");
     if (idx.rank != 3 || idx.shape[0] != b || idx.shape[1] != s_q || idx.shape[2] < 1 || idx.dtype != DType::int32) {
       fail("indices must be int32 of shape [", b, ", ", s_q, ", topk] (batch_size, seq_len_q, topk >= 1), got ",
            dtype_name(idx.dtype), " of shape ", idx.shape_str());
@@ -101,6 +104,7 @@ void flash_mla_with_kvcache(const MlaDecodeArgs& a) {
     if (a.topk_length) fail("topk_length is only used with indices (sparse decoding)");
     if (!a.block_table || !a.cache_seqlens) fail("block_table and cache_seqlens are required without indices (dense decoding)");
     const TensorView& bt = *a.block_table;
+    detail::check_view(bt, "block_table");
     if (bt.rank != 2 || bt.shape[0] != b || bt.dtype != DType::int32) {
       fail("block_table must be int32 of shape [", b, ", max_blocks] (batch_size), got ", dtype_name(bt.dtype), " of shape ",
            bt.shape_str());
@@ -205,6 +209,8 @@ void fp8_mqa_logits(const IndexerLogitsArgs& a) {
   if (H < 1) fail("q must have at least one head, got num_heads=", H);
   check_head_dim(D);
   if (a.kv.shape[1] != D) fail("kv head dim must match q head dim=", D, ", got ", a.kv.shape[1]);
+  detail::check_view(a.kv_scale, "kv_scale");
+  detail::check_view(a.weights, "weights");
   if (a.kv_scale.rank != 1 || a.kv_scale.shape[0] != S || a.kv_scale.dtype != DType::float32) {
     fail("kv_scale must be float32 of shape [", S, "] (seq_len_kv), got ", dtype_name(a.kv_scale.dtype), " of shape ",
          a.kv_scale.shape_str());
@@ -240,6 +246,7 @@ void fp8_mqa_logits(const IndexerLogitsArgs& a) {
     out = &*a.logits;
   } else {
     const TensorView& o = *a.topk_indices;
+    detail::check_view(o, "topk_indices");
     if (o.rank != 2 || o.shape[0] != T || o.shape[1] < 1 || o.dtype != DType::int32 || !o.is_contiguous()) {
       fail("topk_indices must be a contiguous int32 [", T, ", topk >= 1] tensor, got ", dtype_name(o.dtype), " of shape ",
            o.shape_str());
@@ -288,11 +295,13 @@ void fp8_paged_mqa_logits(const PagedIndexerLogitsArgs& a) {
          ", ", a.kv_cache.strides[3]);
   }
   const int64_t rows = B * next_n;
+  detail::check_view(a.weights, "weights");
   if (a.weights.rank != 2 || a.weights.shape[0] != rows || a.weights.shape[1] != H || a.weights.dtype != DType::float32) {
     fail("weights must be float32 of shape [", rows, ", ", H, "] (batch_size · next_n, num_heads), got ",
          dtype_name(a.weights.dtype), " of shape ", a.weights.shape_str());
   }
   const TensorView& cl = a.context_lens;
+  detail::check_view(cl, "context_lens");
   const bool two_d = cl.rank == 2 && cl.shape[0] == B && cl.shape[1] == next_n;
   const bool one_d = cl.rank == 1 && cl.shape[0] == B && next_n == 1;
   if ((!two_d && !one_d) || cl.dtype != DType::int32) {
@@ -300,6 +309,7 @@ void fp8_paged_mqa_logits(const PagedIndexerLogitsArgs& a) {
          " of shape ", cl.shape_str());
   }
   const TensorView& bt = a.block_table;
+  detail::check_view(bt, "block_table");
   if (bt.rank != 2 || bt.shape[0] != B || bt.dtype != DType::int32) {
     fail("block_table must be int32 of shape [", B, ", max_blocks], got ", dtype_name(bt.dtype), " of shape ", bt.shape_str());
   }
@@ -384,6 +394,7 @@ void topk_transform(const TopkArgs& a) {
   }
   if (a.page_table) {
     const TensorView& pt = *a.page_table;
+    detail::check_view(pt, "page_table");
     if (pt.rank != 2 || pt.dtype != DType::int32) {
       fail("page_table must be a 2-d int32 tensor [batches, max_pages], got ", dtype_name(pt.dtype), " of shape ", pt.shape_str());
     }

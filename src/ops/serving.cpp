@@ -77,6 +77,7 @@ double checked_scale(const std::optional<double>& scale, int64_t d) {
 // A dequantisation scale: float32, one value ([] or [1]) or one per kv head ([Hkv]), each
 // finite and positive. Returns the stride between kv heads (0 for one value).
 int64_t check_kv_scale(const TensorView& t, const char* name, int64_t hkv) {
+  detail::check_view(t, name);
   if (t.dtype != DType::float32) fail(name, " must be float32, got ", dtype_name(t.dtype));
   const bool one = t.rank == 0 || (t.rank == 1 && t.shape[0] == 1);
   if (!one && !(t.rank == 1 && t.shape[0] == hkv)) {

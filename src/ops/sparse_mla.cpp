@@ -25,6 +25,7 @@ float read_scale(const std::optional<TensorView>& t, const char* name, bool requ
     if (required) fail(name, " is required for ", dtype_name(dtype), " inputs (a float32 scalar)");
     return 1.0f;
   }
+  detail::check_view(*t, name);
   if (t->dtype != DType::float32 || t->numel() != 1) {
     fail(name, " must be a float32 tensor with one element, got ", dtype_name(t->dtype), " of shape ",
          t->shape_str());
@@ -76,6 +77,7 @@ void sparse_mla_prefill_fwd(const SparseMlaArgs& a) {
   }
   if (a.attn_sink) {
     const TensorView& s = *a.attn_sink;
+    detail::check_view(s, "attn_sink");
     if (s.rank != 1 || s.shape[0] != h_q || s.dtype != DType::float32) {
       fail("attn_sink must be float32 of shape [", h_q, "] (h_q), got ", dtype_name(s.dtype), " of shape ",
            s.shape_str());
@@ -83,6 +85,7 @@ void sparse_mla_prefill_fwd(const SparseMlaArgs& a) {
   }
   if (a.topk_length) {
     const TensorView& t = *a.topk_length;
+    detail::check_view(t, "topk_length");
     if (t.rank != 1 || t.shape[0] != s_q || t.dtype != DType::int32) {
       fail("topk_length must be int32 of shape [", s_q, "] (s_q), got ", dtype_name(t.dtype), " of shape ",
            t.shape_str());
@@ -159,6 +162,7 @@ void sparse_mla_q8kv8_prefill_fwd(const SparseMlaArgs& a) {
   if (a.attn_sink && !a.topk_length) fail(kStrictOp, " requires topk_length when attn_sink is given");
   if (a.topk_length) {
     const TensorView& t = *a.topk_length;
+    detail::check_view(t, "topk_length");
     if (t.rank != 1 || t.shape[0] != s_q || t.dtype != DType::int32) {
       fail("topk_length must be int32 of shape [", s_q, "] (s_q), got ", dtype_name(t.dtype), " of shape ",
            t.shape_str());

@@ -1,6 +1,7 @@
 // Reliability of the C++ API (issue 12): NaN and inf in q and k propagate through int8
 // sage_attention exactly as through exact attention; sizes and strides whose offsets
-// overflow int64, self-overlapping outputs, null data and ranks outside [0, 6] are errors;
+// overflow int64, self-overlapping outputs, null data (also of the index arrays and scales
+// the checks read) and ranks outside [0, 6] are errors;
 // scales are checked in float32;
 // empty K/V may have a null data pointer (dense and varlen); bf16 K may start at an odd element.
 #include <gtest/gtest.h>
@@ -151,6 +152,85 @@ TEST(Reliability, NullDataAndBadRanksAreErrors) {
   } catch (const Error& e) {
     EXPECT_STREQ(e.what(), "lse_out has no data (a null pointer) for its shape [2, 1]");
   }
+}
+
+// Index arrays and scales whose values the checks read (lengths, cache_seqlens, key ranges,
+// kv scales, the sparse scales) were read before their data pointer was checked (SEGV).
+TEST(Reliability, ValidatedValuesWithoutDataAreErrors) {
+  auto error = [](auto op) -> std::string {
+    try {
+      op();
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  std::vector<float> logits(8, 1.0f);
+  std::vector<int32_t> out(4), lengths(2, 2);
+  TopkArgs t;
+  t.logits = TensorView(logits.data(), DType::float32, {2, 4});
+  t.lengths = TensorView(nullptr, DType::int32, {2});
+  t.topk = 2;
+  t.out = TensorView(out.data(), DType::int32, {2, 2});
+  EXPECT_EQ(error([&] { topk_transform(t); }), "lengths has no data (a null pointer) for its shape [2]");
+  t.lengths = TensorView(lengths.data(), DType::int32, {2});
+  t.page_table = TensorView(nullptr, DType::int32, {2, 1});
+  t.page_size = 4;
+  EXPECT_EQ(error([&] { topk_transform(t); }), "page_table has no data (a null pointer) for its shape [2, 1]");
+
+  std::vector<float> kv(2 * 8), cache(4 * 8);
+  std::vector<int32_t> slots = {0, 1};
+  AppendKvCacheArgs ap;
+  ap.k = ap.v = TensorView(kv.data(), DType::float32, {2, 1, 8});
+  ap.k_cache = TensorView(cache.data(), DType::float32, {2, 2, 1, 8});
+  ap.v_cache = TensorView(cache.data() + 0, DType::float32, {2, 2, 1, 8});
+  ap.slot_mapping = TensorView(slots.data(), DType::int32, {2});
+  ap.k_scale = TensorView(nullptr, DType::float32, {1});
+  EXPECT_EQ(error([&] { append_kv_cache(ap); }), "k_scale has no data (a null pointer) for its shape [1]");
+
+  std::vector<uint16_t> q(1 * 1 * 2 * 8), bf16_cache(2 * 4 * 8), mla_out(2 * 8);
+  std::vector<int32_t> table = {0}, seqlens = {3};
+  std::vector<float> mla_lse(2);
+  MlaDecodeArgs m;
+  m.q = TensorView(q.data(), DType::bfloat16, {1, 1, 2, 8});
+  m.k_cache = TensorView(bf16_cache.data(), DType::bfloat16, {2, 4, 1, 8});
+  m.block_table = TensorView(table.data(), DType::int32, {1, 1});
+  m.cache_seqlens = TensorView(nullptr, DType::int32, {1});
+  m.head_dim_v = 8;
+  m.out = TensorView(mla_out.data(), DType::bfloat16, {1, 1, 2, 8});
+  m.lse = TensorView(mla_lse.data(), DType::float32, {1, 1, 2});
+  EXPECT_EQ(error([&] { flash_mla_with_kvcache(m); }), "cache_seqlens has no data (a null pointer) for its shape [1]");
+  m.cache_seqlens = TensorView(seqlens.data(), DType::int32, {1});
+  m.block_table = TensorView(nullptr, DType::int32, {1, 1});
+  EXPECT_EQ(error([&] { flash_mla_with_kvcache(m); }), "block_table has no data (a null pointer) for its shape [1, 1]");
+
+  std::vector<uint8_t> fp8(2 * 32, 0x38);
+  std::vector<float> scale(2, 1.0f), weights(1, 1.0f);
+  std::vector<int32_t> ke = {2}, topk(1);
+  IndexerLogitsArgs ix;
+  ix.q = TensorView(fp8.data(), DType::float8_e4m3fn, {1, 1, 32});
+  ix.kv = TensorView(fp8.data(), DType::float8_e4m3fn, {2, 32});
+  ix.kv_scale = TensorView(scale.data(), DType::float32, {2});
+  ix.weights = TensorView(weights.data(), DType::float32, {1, 1});
+  ix.ks = TensorView(nullptr, DType::int32, {1});
+  ix.ke = TensorView(ke.data(), DType::int32, {1});
+  ix.topk_indices = TensorView(topk.data(), DType::int32, {1, 1});
+  EXPECT_EQ(error([&] { fp8_mqa_logits(ix); }), "cu_seq_len_k_start has no data (a null pointer) for its shape [1]");
+
+  SparseMlaArgs sp;
+  std::vector<uint16_t> sq(16 * 8), skv(4 * 8), sout(16 * 8);
+  std::vector<int32_t> idx = {0, 1};
+  std::vector<float> sml(16), slse(16);
+  sp.q = TensorView(sq.data(), DType::bfloat16, {1, 16, 8});
+  sp.kv = TensorView(skv.data(), DType::bfloat16, {4, 1, 8});
+  sp.indices = TensorView(idx.data(), DType::int32, {1, 1, 2});
+  sp.sm_scale = 0.3;
+  sp.d_v = 8;
+  sp.q_scale = TensorView(nullptr, DType::float32, {1});
+  sp.out = TensorView(sout.data(), DType::bfloat16, {1, 16, 8});
+  sp.max_logits = TensorView(sml.data(), DType::float32, {1, 16});
+  sp.lse = TensorView(slse.data(), DType::float32, {1, 16});
+  EXPECT_EQ(error([&] { sparse_mla_prefill_fwd(sp); }), "q_scale has no data (a null pointer) for its shape [1]");
 }
 
 TEST(Reliability, ScalesAreCheckedInFloat32) {

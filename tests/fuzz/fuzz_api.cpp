@@ -1,11 +1,13 @@
 // A seeded random-call fuzz driver over attnkit's C++ API: attention, sage_attention (int8
-// and fp4), sparse_mla_prefill_fwd and sparse_mla_q8kv8_prefill_fwd, the serving ops
-// (varlen_attention and its backward, paged_attention with same-dtype and fp8 caches,
-// append_kv_cache), merge_attention_states and attention_backward, on every ISA and a few
-// thread counts.
+// and fp4), the serving ops (varlen_attention and its backward, paged_attention with
+// same-dtype and fp8 caches, append_kv_cache), merge_attention_states, attention_backward,
+// and the DeepSeek sparse attention ops (fuzz_dsa.cpp: sparse_mla_prefill_fwd and
+// sparse_mla_q8kv8_prefill_fwd, flash_mla_with_kvcache, quantize_v32_kv, fp8_mqa_logits,
+// fp8_paged_mqa_logits, topk_transform), on every ISA and a few thread counts.
 // Shapes include 0, 1, odd sizes and tile edges; strides are contiguous, permuted, padded,
 // stepped, negative and zero (inputs), or overlapping and aliasing (outputs, which must then
-// be rejected). Index arrays (cu_seqlens, seq_lens, block tables, slots) hold valid values
+// be rejected); a view may lose its data pointer. Index arrays (cu_seqlens, seq_lens, block
+// tables, slots, sparse indices, key ranges) hold valid values
 // and, sometimes, wrong ones; the call's validity is judged from the values actually in
 // memory. Every tensor lives in a heap block of exactly its span, so AddressSanitizer sees
 // any read or write outside it.
@@ -15,8 +17,10 @@
 // outputs), or it returns with every output element written (outputs are poisoned with a
 // signalling-NaN pattern no kernel writes) and nothing outside them touched; inputs are never
 // modified either way. Valid calls on finite inputs are also compared on a few elements with
-// a double-precision reference (append_kv_cache: every cache element, bit for bit): every
-// exact op; not sage's lossy modes or the sparse MLA ops (tests/python compares those).
+// a double-precision reference (append_kv_cache, quantize_v32_kv and top-k: every element,
+// bit for bit): every op but sage's lossy modes (tests/python compares those). Outputs a
+// contract leaves partly unwritten (the indexer's logits with clean_logits=False) are
+// checked element by element: written inside the row's keys, untouched outside.
 //
 //   attnkit_fuzz [--seconds S] [--calls N] [--seed X] [--replay SEED] [--verbose]
 // S defaults to ATTNKIT_FUZZ_SECONDS or 120. Each call has its own seed, printed on
@@ -39,6 +43,8 @@
 #include <vector>
 
 #include "attnkit/attnkit.h"
+#include "fuzz_call.h"
+#include "fuzz_dsa.h"
 
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/common_interface_defs.h>
@@ -46,8 +52,7 @@
 
 namespace {
 
-using attnkit::DType;
-using attnkit::TensorView;
+using namespace attnkit_fuzz;
 
 // The seed of the call in flight, for the crash hooks.
 volatile uint64_t g_current_seed = 0;
@@ -74,378 +79,6 @@ uint64_t splitmix(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-// Poison patterns: signalling NaNs (quiet bit clear); kernels only ever write quiet NaNs.
-constexpr uint32_t kPoison32 = 0x7FBADBADu;
-constexpr uint16_t kPoisonBf16 = 0x7F9Du, kPoisonF16 = 0x7D5Bu;
-
-struct Failure {
-  std::string what;
-};
-
-class Rng {
- public:
-  explicit Rng(uint64_t seed) : gen_(seed) {}
-  int64_t range(int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(gen_); }
-  bool chance(double p) { return std::uniform_real_distribution<double>(0, 1)(gen_) < p; }
-  template <class T>
-  T pick(std::initializer_list<T> xs) {
-    return xs.begin()[range(0, static_cast<int64_t>(xs.size()) - 1)];
-  }
-  double normal() { return std::normal_distribution<double>()(gen_); }
-  uint64_t bits() { return gen_(); }
-
- private:
-  std::mt19937_64 gen_;
-};
-
-// One tensor of a call: its view, its heap block (exactly the view's span) and a copy of
-// the block taken before the call.
-struct Tensor {
-  std::string name;
-  TensorView view;
-  std::shared_ptr<std::vector<uint8_t>> block;  // shared when a view aliases another's memory
-  std::vector<uint8_t> before;
-  bool output = false;
-  bool in_place = false;           // an input the call may change when it succeeds (a cache, an in-place merge)
-  bool maybe_overlapping = false;  // a stride was perturbed: whether it overlaps is computed
-};
-
-int64_t elem_offset(const TensorView& t, int64_t index) {
-  int64_t off = 0;
-  for (int d = t.rank - 1; d >= 0; --d) {
-    off += index % t.shape[d] * t.strides[d];
-    index /= t.shape[d];
-  }
-  return off;
-}
-
-std::string describe(const TensorView& t) {
-  std::ostringstream s;
-  s << attnkit::dtype_name(t.dtype) << t.shape_str() << " strides [";
-  for (int d = 0; d < t.rank; ++d) s << (d ? ", " : "") << t.strides[d];
-  s << "]" << (t.data ? "" : " data=null");
-  return s.str();
-}
-
-// A random finite-or-not value for input tensors: mostly normal, sometimes 0, huge, NaN, inf.
-double random_value(Rng& rng, bool specials) {
-  if (specials && rng.chance(0.002)) return rng.pick<double>({NAN, INFINITY, -INFINITY, 3e38, -3e38, 0.0, 1e-42});
-  return rng.normal();
-}
-
-void store_value(DType dtype, uint8_t* p, double x, Rng& rng) {
-  switch (dtype) {
-    case DType::float32: {
-      const float f = static_cast<float>(x);
-      std::memcpy(p, &f, 4);
-      break;
-    }
-    case DType::float16: {
-      const uint16_t h = attnkit::float_to_float16(static_cast<float>(x));
-      std::memcpy(p, &h, 2);
-      break;
-    }
-    case DType::bfloat16: {
-      const uint16_t h = attnkit::float_to_bfloat16(static_cast<float>(x));
-      std::memcpy(p, &h, 2);
-      break;
-    }
-    case DType::float8_e4m3fn: *p = attnkit::float_to_float8_e4m3fn(static_cast<float>(x)); break;
-    case DType::float8_e5m2: *p = attnkit::float_to_float8_e5m2(static_cast<float>(x)); break;
-    case DType::boolean: *p = rng.chance(0.8) ? 1 : 0; break;
-    default: *p = static_cast<uint8_t>(rng.bits()); break;
-  }
-}
-
-double load_value(DType dtype, const uint8_t* p) {
-  switch (dtype) {
-    case DType::float32: {
-      float f;
-      std::memcpy(&f, p, 4);
-      return f;
-    }
-    case DType::float16:
-    case DType::bfloat16: {
-      uint16_t h;
-      std::memcpy(&h, p, 2);
-      return dtype == DType::float16 ? attnkit::float16_to_float(h) : attnkit::bfloat16_to_float(h);
-    }
-    case DType::float8_e4m3fn: return attnkit::float8_e4m3fn_to_float(*p);
-    case DType::float8_e5m2: return attnkit::float8_e5m2_to_float(*p);
-    case DType::int32: {
-      int32_t x;
-      std::memcpy(&x, p, 4);
-      return x;
-    }
-    case DType::int64: {
-      int64_t x;
-      std::memcpy(&x, p, 8);
-      return static_cast<double>(x);
-    }
-    case DType::int8: return static_cast<int8_t>(*p);
-    default: return *p;
-  }
-}
-
-// The element of t at a multi-index (one index per dim).
-const uint8_t* element(const TensorView& t, std::initializer_list<int64_t> index) {
-  int64_t off = 0;
-  int d = 0;
-  for (int64_t i : index) off += i * t.strides[d++];
-  return static_cast<const uint8_t*>(t.data) + off * static_cast<int64_t>(attnkit::dtype_size(t.dtype));
-}
-double at(const TensorView& t, std::initializer_list<int64_t> index) { return load_value(t.dtype, element(t, index)); }
-
-// Index arrays: element i (row-major) of an int32 / int64 view, written and read back
-// (through a zero or repeated stride the value read may be another element's).
-void put_int(const TensorView& t, int64_t i, int64_t x) {
-  uint8_t* p = static_cast<uint8_t*>(t.data) + elem_offset(t, i) * static_cast<int64_t>(attnkit::dtype_size(t.dtype));
-  if (t.dtype == DType::int64) {
-    std::memcpy(p, &x, 8);
-  } else {
-    const auto y = static_cast<int32_t>(x);
-    std::memcpy(p, &y, 4);
-  }
-}
-int64_t get_int(const TensorView& t, int64_t i) {
-  const uint8_t* p = static_cast<const uint8_t*>(t.data) + elem_offset(t, i) * static_cast<int64_t>(attnkit::dtype_size(t.dtype));
-  return static_cast<int64_t>(load_value(t.dtype, p));
-}
-
-class Call {
- public:
-  Call(uint64_t seed, bool verbose) : rng(seed), verbose_(verbose) {}
-
-  Rng rng;
-  std::vector<std::unique_ptr<Tensor>> tensors;
-  bool must_fail = false;   // made invalid on purpose: an Error is required
-  std::string must_fail_why;
-  std::ostringstream log;
-  bool specials = true;     // inputs may hold NaN, inf, huge values (no reference check then)
-
-  // Layout kinds for make(): in_place is written by the op (a cache) but starts with values.
-  enum class Kind { input, output, in_place };
-
-  // A view of `shape` in a fresh heap block of exactly its span. Inputs may be permuted,
-  // padded, stepped, reversed or broadcast (zero stride); outputs permuted, padded, stepped
-  // or reversed, and sometimes (overlap_chance) made self-overlapping.
-  TensorView& make(const std::string& name, DType dtype, std::vector<int64_t> shape, Kind kind,
-                   double overlap_chance = 0.0, double plain_chance = 0.5) {
-    auto t = std::make_unique<Tensor>();
-    t->name = name;
-    t->output = kind == Kind::output;
-    t->in_place = kind == Kind::in_place;
-    const int rank = static_cast<int>(shape.size());
-    TensorView& v = t->view;
-    v.dtype = dtype;
-    v.rank = rank;
-    for (int d = 0; d < rank; ++d) v.shape[d] = shape[d];
-    int64_t numel = 1;
-    for (int64_t s : shape) numel *= s;
-    // Memory order of the dims, and a step and padding per dim.
-    std::vector<int> order(rank);
-    for (int d = 0; d < rank; ++d) order[d] = d;
-    const bool plain = rng.chance(plain_chance);
-    if (!plain && rng.chance(0.5)) std::shuffle(order.begin(), order.end(), std::mt19937(static_cast<uint32_t>(rng.bits())));
-    int64_t stride = 1;
-    for (int i = rank - 1; i >= 0; --i) {
-      const int d = order[i];
-      const int64_t step = !plain && rng.chance(0.2) ? rng.range(2, 3) : 1;
-      v.strides[d] = stride * step;
-      stride = v.strides[d] * shape[d] + (!plain && rng.chance(0.3) ? rng.range(1, 5) : 0);
-      if (stride == 0) stride = 1;
-    }
-    if (!plain && rank > 0 && rng.chance(0.2)) {  // one dim reversed
-      const int d = static_cast<int>(rng.range(0, rank - 1));
-      v.strides[d] = -v.strides[d];
-    }
-    if (!plain && kind == Kind::input && rank > 0 && rng.chance(0.2)) {  // broadcast along one dim
-      v.strides[rng.range(0, rank - 1)] = 0;
-    }
-    if (kind != Kind::input && rank > 0 && rng.chance(overlap_chance)) {
-      const int d = static_cast<int>(rng.range(0, rank - 1));
-      v.strides[d] = rng.pick<int64_t>({0, 1, v.strides[d] / 2, v.strides[d] - 1});
-      t->maybe_overlapping = true;
-    }
-    // The span [lo, hi] of element offsets, allocated exactly.
-    int64_t lo = 0, hi = 0;
-    for (int d = 0; d < rank; ++d) {
-      const int64_t reach = (shape[d] - 1) * v.strides[d];
-      if (shape[d] > 0) (reach < 0 ? lo : hi) += reach;
-    }
-    const int64_t item = static_cast<int64_t>(attnkit::dtype_size(dtype));
-    if (numel == 0) {
-      if (rng.chance(0.5)) {
-        v.data = nullptr;  // as an empty torch tensor
-      } else {
-        t->block = std::make_shared<std::vector<uint8_t>>(item);
-        v.data = t->block->data();
-      }
-    } else {
-      t->block = std::make_shared<std::vector<uint8_t>>((hi - lo + 1) * item);
-      v.data = t->block->data() - lo * item;
-    }
-    fill(*t);
-    log << "  " << name << ": " << describe(v) << "\n";
-    tensors.push_back(std::move(t));
-    return tensors.back()->view;
-  }
-
-  // An output view on the memory of input `of` (same dtype required for a meaningful alias).
-  TensorView& alias(const std::string& name, const Tensor& of, std::vector<int64_t> shape, DType dtype) {
-    auto t = std::make_unique<Tensor>();
-    t->name = name;
-    t->output = true;
-    t->block = of.block;
-    TensorView& v = t->view;
-    v.dtype = dtype;
-    v.rank = static_cast<int>(shape.size());
-    int64_t stride = 1;
-    for (int d = v.rank - 1; d >= 0; --d) v.shape[d] = shape[d], v.strides[d] = stride, stride *= shape[d];
-    v.data = of.block ? of.block->data() : nullptr;
-    log << "  " << name << ": " << describe(v) << " aliasing " << of.name << "\n";
-    tensors.push_back(std::move(t));
-    return tensors.back()->view;
-  }
-
-  // Whether a contiguous view of shape and dtype on `of`'s memory (alias()) is non-empty and
-  // stays inside of's block.
-  static bool fits(const Tensor& of, const std::vector<int64_t>& shape, DType dtype) {
-    int64_t numel = 1;
-    for (int64_t x : shape) numel *= x;
-    return of.block && numel > 0 &&
-           numel * static_cast<int64_t>(attnkit::dtype_size(dtype)) <= static_cast<int64_t>(of.block->size());
-  }
-
-  // An output that is exactly the view of `of` (an in-place merge): of may then change.
-  TensorView& same_view(const std::string& name, Tensor& of) {
-    auto t = std::make_unique<Tensor>();
-    t->name = name;
-    t->output = true;
-    t->block = of.block;
-    t->view = of.view;
-    of.in_place = true;
-    log << "  " << name << ": the view of " << of.name << "\n";
-    tensors.push_back(std::move(t));
-    return tensors.back()->view;
-  }
-
-  Tensor& last() { return *tensors.back(); }
-
-  // Whether two indices of t address the same element.
-  static bool self_overlaps(const TensorView& t) {
-    int64_t numel = 1;
-    for (int d = 0; d < t.rank; ++d) numel *= t.shape[d];
-    std::vector<int64_t> offs(numel);
-    for (int64_t i = 0; i < numel; ++i) offs[i] = elem_offset(t, i);
-    std::sort(offs.begin(), offs.end());
-    return std::adjacent_find(offs.begin(), offs.end()) != offs.end();
-  }
-
-  void require_error(const std::string& why) {
-    if (!must_fail) must_fail_why = why;
-    must_fail = true;
-  }
-
-  // Runs op and checks the contract; throws Failure.
-  template <class Op>
-  bool run(Op op) {
-    for (auto& t : tensors) {
-      if (t->maybe_overlapping && self_overlaps(t->view)) require_error(t->name + " overlaps itself");
-    }
-    for (auto& t : tensors) {
-      if (t->block) t->before = *t->block;
-    }
-    bool threw = false;
-    std::string error;
-    try {
-      op();
-    } catch (const attnkit::Error& e) {
-      threw = true;
-      error = e.what();
-    } catch (const std::exception& e) {
-      throw Failure{std::string("threw a non-attnkit exception: ") + e.what()};
-    }
-    if (verbose_) std::fprintf(stderr, "%s  -> %s\n", log.str().c_str(), threw ? ("Error: " + error).c_str() : "ok");
-    if (threw && error.empty()) throw Failure{"threw an Error with an empty message"};
-    if (!threw && must_fail) throw Failure{"accepted an invalid call (" + must_fail_why + ")"};
-    // Inputs (and, after an Error, outputs too) are byte-for-byte unchanged.
-    for (auto& t : tensors) {
-      if (!t->block || ((t->output || t->in_place) && !threw)) continue;
-      if (*t->block != t->before) {
-        throw Failure{(t->output ? "an Error left output " : "modified input ") + t->name +
-                      (threw ? " (call threw: " + error + ")" : "")};
-      }
-    }
-    if (threw) return false;
-    for (auto& t : tensors) {
-      if (t->output) check_written(*t);
-    }
-    return true;
-  }
-
- private:
-  bool verbose_;
-
-  static bool is_poison(DType dtype, const uint8_t* p) {
-    if (dtype == DType::float32) {
-      uint32_t u;
-      std::memcpy(&u, p, 4);
-      return u == kPoison32;
-    }
-    uint16_t h;
-    std::memcpy(&h, p, 2);
-    return h == (dtype == DType::bfloat16 ? kPoisonBf16 : kPoisonF16);
-  }
-
- public:
-  // Every element of the view written (require_written), every other byte of its block as before.
-  static void check_written(const Tensor& t, bool require_written = true) {
-    if (!t.block) return;
-    const TensorView& v = t.view;
-    const int64_t item = static_cast<int64_t>(attnkit::dtype_size(v.dtype));
-    int64_t numel = 1;
-    for (int d = 0; d < v.rank; ++d) numel *= v.shape[d];
-    std::vector<uint8_t> covered(t.block->size(), 0);
-    const auto* base = static_cast<const uint8_t*>(v.data);
-    for (int64_t i = 0; i < numel; ++i) {
-      const uint8_t* p = base + elem_offset(v, i) * item;
-      if (require_written && is_poison(v.dtype, p)) {
-        throw Failure{"output " + t.name + " element " + std::to_string(i) + " not written"};
-      }
-      std::memset(covered.data() + (p - t.block->data()), 1, item);
-    }
-    for (size_t b = 0; b < covered.size(); ++b) {
-      if (!covered[b] && (*t.block)[b] != t.before[b]) {
-        throw Failure{"wrote byte " + std::to_string(b) + " of " + t.name + "'s block outside its view"};
-      }
-    }
-  }
-
- private:
-  void fill(Tensor& t) {
-    if (!t.block) return;
-    const TensorView& v = t.view;
-    const int64_t item = static_cast<int64_t>(attnkit::dtype_size(v.dtype));
-    uint8_t* p = t.block->data();
-    const int64_t n = static_cast<int64_t>(t.block->size()) / item;
-    for (int64_t i = 0; i < n; ++i) {
-      if (t.output) {
-        if (v.dtype == DType::float32) {
-          std::memcpy(p + i * 4, &kPoison32, 4);
-        } else if (item == 2) {
-          const uint16_t h = v.dtype == DType::bfloat16 ? kPoisonBf16 : kPoisonF16;
-          std::memcpy(p + i * 2, &h, 2);
-        } else {  // an output of a dtype no op writes (the call must fail): any pattern
-          std::memset(p + i * item, 0xA5, item);
-        }
-      } else {
-        store_value(v.dtype, p + i * item, random_value(rng, specials), rng);
-      }
-    }
-  }
-};
-
 // ---- attention and sage_attention
 
 DType attention_dtype(Rng& rng) { return rng.pick({DType::float32, DType::float16, DType::bfloat16}); }
@@ -461,7 +94,8 @@ int64_t pick_head_dim(Rng& rng) {
 bool too_big(int64_t rows, int64_t keys, int64_t d) { return rows * keys * d > (int64_t{3} << 20); }
 
 enum class Api {
-  attention, sage_int8, sage_fp4, sparse_mla, sparse_q8kv8, varlen, paged, append_kv, merge, backward
+  attention, sage_int8, sage_fp4, sparse_mla, sparse_q8kv8, varlen, paged, append_kv, merge, backward,
+  mla_decode, quantize_v32, indexer_logits, paged_indexer_logits, topk
 };
 const char* api_name(Api a) {
   switch (a) {
@@ -475,6 +109,11 @@ const char* api_name(Api a) {
     case Api::append_kv: return "append_kv_cache";
     case Api::merge: return "merge_attention_states";
     case Api::backward: return "attention_backward";
+    case Api::mla_decode: return "flash_mla_with_kvcache";
+    case Api::quantize_v32: return "quantize_v32_kv";
+    case Api::indexer_logits: return "fp8_mqa_logits";
+    case Api::paged_indexer_logits: return "fp8_paged_mqa_logits";
+    case Api::topk: return "topk_transform";
   }
   return "?";
 }
@@ -553,8 +192,10 @@ bool fuzz_attention(Call& c, Api api) {
     s.q = a.q, s.k = a.k, s.v = a.v, s.out = a.out, s.lse = a.lse, s.causal = a.causal, s.scale = a.scale;
     s.layout = a.layout;
     s.mode = fp4 ? attnkit::SageMode::fp4 : attnkit::SageMode::int8;
+    maybe_null_data(c, {&s.q, &s.k, &s.v, &s.out, opt(s.lse)});
     return c.run([&] { attnkit::sage_attention(s); });
   }
+  maybe_null_data(c, {&a.q, &a.k, &a.v, &a.out, opt(a.lse), opt(a.attn_mask)});
   if (!c.run([&] { attnkit::attention(a); })) return false;
   // (a scale of 3e38 overflows the float32 scores, as in every float32 attention)
   if (!c.specials && a.dropout_p == 0 && (!a.scale || std::fabs(*a.scale) < 100)) {
@@ -563,161 +204,6 @@ bool fuzz_attention(Call& c, Api api) {
   return true;
 }
 
-// ---- sparse MLA
-
-float pick_scale(Rng& rng, bool& bad) {
-  const float x = rng.chance(0.8) ? static_cast<float>(std::fabs(rng.normal()) + 0.1)
-                                  : rng.pick<float>({0.0f, -0.5f, NAN, INFINITY, -INFINITY, 1e30f});
-  bad = bad || !std::isfinite(x);
-  return x;
-}
-
-bool fuzz_sparse(Call& c, bool strict) {
-  Rng& rng = c.rng;
-  const DType dtype = strict || rng.chance(0.5) ? DType::float8_e4m3fn : DType::bfloat16;
-  int64_t s_q = rng.pick<int64_t>({0, 1, 2, 3, 5, 8}), s_kv = rng.pick<int64_t>({0, 1, 2, 7, 64, 65, 200, 513});
-  int64_t h_q = strict ? 64 * rng.range(1, 2) : rng.pick<int64_t>({1, 2, 3, 15, 16, 17, 64, 128});
-  int64_t d_qk = strict ? rng.pick<int64_t>({512, 576}) : rng.pick<int64_t>({1, 8, 17, 64, 65, 128, 576});
-  int64_t d_v = strict ? 512 : rng.range(1, d_qk);
-  int64_t topk = strict ? 128 * rng.range(1, 2) : rng.pick<int64_t>({1, 2, 7, 63, 64, 65, 128, 129, 256});
-  if (strict && s_q * h_q * topk > 2 * 64 * 128) h_q = 64, topk = 128, s_q = std::min<int64_t>(s_q, 2);
-  while (!strict && s_q * h_q * topk * d_qk > (int64_t{6} << 20)) {
-    topk = std::max<int64_t>(1, topk / 2), h_q = std::max<int64_t>(1, h_q / 2);
-  }
-  const int perturb = rng.chance(0.2) ? static_cast<int>(rng.range(0, 5)) : -1;
-  if (perturb == 0) d_v = d_qk + 1, c.require_error("d_v > d_qk");
-  c.log << (strict ? "sparse_mla_q8kv8_prefill_fwd" : "sparse_mla_prefill_fwd") << " s_q=" << s_q << " s_kv=" << s_kv
-        << " h_q=" << h_q << " d_qk=" << d_qk << " d_v=" << d_v << " topk=" << topk << "\n";
-  attnkit::SparseMlaArgs a;
-  // Outputs must be contiguous, and so must the strict contract's inputs: mostly so.
-  const double plain = strict ? 0.9 : 0.5;
-  a.q = c.make("q", dtype, {s_q, h_q, d_qk}, Call::Kind::input, 0.0, plain);
-  a.kv = c.make("kv", perturb == 1 ? DType::bfloat16 : dtype, {s_kv, 1, d_qk}, Call::Kind::input, 0.0, plain);
-  // Indices: valid rows, -1, out of range, INT_MIN/INT_MAX; written after fill.
-  a.indices = c.make("indices", DType::int32, {s_q, 1, topk}, Call::Kind::input, 0.0, plain);
-  {
-    const TensorView& t = a.indices;
-    for (int64_t i = 0; i < s_q * topk; ++i) {
-      int32_t x;
-      const double u = rng.range(0, 99);
-      if (u < 70 && s_kv > 0) x = static_cast<int32_t>(rng.range(0, s_kv - 1));
-      else if (u < 85) x = -1;
-      else x = rng.pick<int32_t>({static_cast<int32_t>(s_kv), INT32_MIN, INT32_MAX, -2, static_cast<int32_t>(rng.bits())});
-      std::memcpy(static_cast<int32_t*>(t.data) + elem_offset(t, i), &x, 4);
-    }
-  }
-  bool bad_scale = false;
-  const bool fp8 = dtype == DType::float8_e4m3fn;
-  if (fp8 || rng.chance(0.3)) {
-    if (!(perturb == 2)) {
-      a.q_scale = c.make("q_scale", DType::float32, {1}, Call::Kind::input);
-      const float x = pick_scale(rng, bad_scale);
-      std::memcpy(a.q_scale->data, &x, 4);
-    }
-    a.kv_scale = c.make("kv_scale", DType::float32, rng.chance(0.5) ? std::vector<int64_t>{1} : std::vector<int64_t>{},
-                        Call::Kind::input);
-    const float x = pick_scale(rng, bad_scale);
-    std::memcpy(a.kv_scale->data, &x, 4);
-  }
-  a.sm_scale = rng.chance(0.8) ? 1.0 / std::sqrt(static_cast<double>(d_qk))
-                               : rng.pick<double>({0.0, -0.3, NAN, INFINITY, 1e39, 1e30});
-  if (!std::isfinite(static_cast<float>(a.sm_scale))) bad_scale = true;
-  if (rng.chance(0.4)) a.attn_sink = c.make("attn_sink", DType::float32, {h_q}, Call::Kind::input);
-  if (rng.chance(0.5)) {
-    a.topk_length = c.make("topk_length", DType::int32, {s_q}, Call::Kind::input);
-    const TensorView& t = *a.topk_length;
-    for (int64_t i = 0; i < s_q; ++i) {
-      const int32_t x = rng.chance(0.85) ? static_cast<int32_t>(rng.range(0, topk))
-                                         : rng.pick<int32_t>({-1, static_cast<int32_t>(topk + 1), INT32_MIN, INT32_MAX});
-      std::memcpy(static_cast<int32_t*>(t.data) + elem_offset(t, i), &x, 4);
-    }
-  }
-  const bool alias_out = perturb == 3 && s_q * h_q > 0 && d_v >= 2;  // out's block holds max_logits' bytes
-  a.out = c.make("out", DType::bfloat16, {s_q, h_q, perturb == 4 ? d_v + 1 : d_v}, Call::Kind::output, 0.05, 0.9);
-  if (alias_out) {
-    a.max_logits = c.alias("max_logits", c.last(), {s_q, h_q}, DType::float32);
-    c.require_error("max_logits aliases out");
-  } else {
-    a.max_logits = c.make("max_logits", DType::float32, {s_q, h_q}, Call::Kind::output, 0.05, 0.9);
-  }
-  a.lse = c.make("lse", DType::float32, {s_q, h_q}, Call::Kind::output, 0.05, 0.9);
-  a.d_v = d_v;
-  // Non-finite scales must be an Error (unless an earlier check of the contract fails first,
-  // which is an Error too; a missing required scale is also an Error).
-  if (bad_scale) c.require_error("a non-finite scale");
-  c.log << "  sm_scale=" << a.sm_scale << "\n";
-  if (strict) return c.run([&] { attnkit::sparse_mla_q8kv8_prefill_fwd(a); });
-  return c.run([&] { attnkit::sparse_mla_prefill_fwd(a); });
-}
-
-// ---- double references and their tolerances
-
-// A query row's attention in double over n keys: visible(j), score(j) (scaled, with the
-// score modifiers), value(j, e); sink in the denominator only. mag gets Σp|v|/Σp (the size
-// the rounding of P and of out scales with), smax the largest |score|.
-struct RowRef {
-  std::vector<double> out;
-  double lse = -INFINITY, mag = 0, smax = 0;
-};
-RowRef attend_row(int64_t n, int64_t dv, const std::function<bool(int64_t)>& visible,
-                  const std::function<double(int64_t)>& score, const std::function<double(int64_t, int64_t)>& value,
-                  std::optional<double> sink) {
-  RowRef r;
-  r.out.assign(dv, 0.0);
-  std::vector<double> s(n, -INFINITY);
-  double m = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) {
-    if (!visible(j)) continue;
-    s[j] = score(j);
-    m = std::max(m, s[j]);
-    r.smax = std::max(r.smax, std::fabs(s[j]));
-  }
-  if (m == -INFINITY) return r;  // no key: out 0, lse -inf
-  double sum = 0;
-  for (int64_t j = 0; j < n; ++j) sum += s[j] == -INFINITY ? 0.0 : std::exp(s[j] - m);
-  r.lse = m + std::log(sum);
-  const double denom = sum + (sink ? std::exp(*sink - m) : 0.0);
-  for (int64_t j = 0; j < n; ++j) {
-    if (s[j] == -INFINITY) continue;
-    const double p = std::exp(s[j] - m);
-    for (int64_t e = 0; e < dv; ++e) {
-      const double x = value(j, e);
-      r.out[e] += p * x / denom;
-      r.mag = std::max(r.mag, std::fabs(x));
-    }
-  }
-  return r;
-}
-
-// Relative tolerance of an output of dtype: float32 arithmetic (error growing with the
-// scores' size), plus for bf16 the rounding of P and out, for fp16 that of out.
-double rel_tol(DType dtype, double smax) {
-  const double f32 = 2e-5 * (1 + smax);
-  return f32 + (dtype == DType::bfloat16 ? 1.2e-2 : dtype == DType::float16 ? 2e-3 : 0.0);
-}
-
-int64_t g_compared = 0;  // elements compared with a reference (all calls)
-
-void expect_near(double got, double want, double tol, const std::string& what) {
-  ++g_compared;
-  const bool same_inf = std::isinf(want) && got == want;
-  if (!same_inf && !(std::fabs(got - want) <= tol)) {
-    std::ostringstream s;
-    s << what << ": got " << got << ", the double reference " << want << " (tolerance " << tol << ")";
-    throw Failure{s.str()};
-  }
-}
-
-void expect_row(const RowRef& want, const std::function<double(int64_t)>& out, std::optional<double> lse,
-                DType dtype, const std::string& what) {
-  const double tol = rel_tol(dtype, want.smax) * (1 + want.mag);
-  for (size_t e = 0; e < want.out.size(); ++e) {
-    expect_near(out(static_cast<int64_t>(e)), want.out[e], tol, what + " out[" + std::to_string(e) + "]");
-  }
-  if (lse) expect_near(*lse, want.lse, 2e-5 * (1 + want.smax) + 1e-5 * std::fabs(want.lse), what + " lse");
-}
-
-// A valid dense attention call (finite inputs, no dropout): four random query rows against
 // attend_row, with the causal conventions, the mask (bool: visible where set; float: added
 // to the scores) broadcast from its trailing dims, GQA and either layout.
 void check_attention_rows(Call& c, const attnkit::AttentionArgs& a, int64_t Hq, int64_t Hkv, int64_t Sq,
@@ -900,6 +386,8 @@ bool fuzz_varlen_backward(Call& c, const attnkit::VarlenAttentionArgs& f, Tensor
   } else if (f.sinks) {
     a.dsinks = c.make("dsinks", DType::float32, shape(*f.sinks), Call::Kind::output, 0.05);
   }
+  maybe_null_data(c, {&a.q, &a.k, &a.v, &a.cu_seqlens_q, &a.cu_seqlens_k, &a.out, &a.lse, &a.dout, &a.dq, &a.dk,
+                      &a.dv, opt(a.dlse), opt(a.alibi_slopes), opt(a.sinks), opt(a.dsinks)});
   return c.run([&] { attnkit::varlen_attention_backward(a); });
 }
 
@@ -976,6 +464,8 @@ bool fuzz_varlen(Call& c) {
   if (mods.alibi) a.alibi_slopes = *mods.alibi;
   if (mods.sinks) a.sinks = *mods.sinks;
   if (lse_tensor && rng.chance(0.35)) return fuzz_varlen_backward(c, a, out_tensor, *lse_tensor, dtype);
+  maybe_null_data(c, {&a.q, &a.k, &a.v, &a.cu_seqlens_q, &a.cu_seqlens_k, &a.out, opt(a.lse), opt(a.alibi_slopes),
+                      opt(a.sinks)});
   if (!c.run([&] { attnkit::varlen_attention(a); })) return false;
   if (c.specials) return true;
   const double sm = a.scale ? *a.scale : 1.0 / std::sqrt(static_cast<double>(d));
@@ -1129,6 +619,8 @@ bool fuzz_paged(Call& c) {
   a.window_left = mods.left, a.window_right = mods.right, a.softcap = mods.softcap;
   if (mods.alibi) a.alibi_slopes = *mods.alibi;
   if (mods.sinks) a.sinks = *mods.sinks;
+  maybe_null_data(c, {&a.q, &a.k_cache, &a.v_cache, &a.block_table, &a.seq_lens, &a.cu_seqlens_q, &a.out, opt(a.lse),
+                      opt(a.k_scale), opt(a.v_scale), opt(a.alibi_slopes), opt(a.sinks)});
   if (!c.run([&] { attnkit::paged_attention(a); })) return false;
   if (c.specials) return true;
   const double sm = a.scale ? *a.scale : 1.0 / std::sqrt(static_cast<double>(d));
@@ -1237,6 +729,7 @@ bool fuzz_append(Call& c) {
     c.last().output = false;
     c.require_error("k aliases k_cache");
   }
+  maybe_null_data(c, {&a.k, &a.v, &a.k_cache, &a.v_cache, &a.slot_mapping, opt(a.k_scale), opt(a.v_scale)});
   if (!c.run([&] { attnkit::append_kv_cache(a); })) return false;
   // Every element of each cache: the last token written to its slot, else unchanged.
   std::vector<int64_t> writer(std::max<int64_t>(slots, 0), -1);
@@ -1383,6 +876,7 @@ bool fuzz_merge(Call& c) {
   } else {
     a.lse_out = c.make("lse_out", DType::float32, rows, Call::Kind::output, 0.05);
   }
+  maybe_null_data(c, {&a.out_a, &a.lse_a, &a.out_b, &a.lse_b, &a.out, &a.lse_out});
   if (!c.run([&] { attnkit::merge_attention_states(a); })) return false;
   if (!checkable || c.specials) return true;
   const double rel = a.out.dtype == DType::bfloat16 ? 8e-3 : a.out.dtype == DType::float16 ? 1e-3 : 2e-6;
@@ -1502,6 +996,8 @@ bool fuzz_backward(Call& c) {
     a.lse = c.make("lse_bad", DType::float32, {B, hq, sq + 1}, Call::Kind::input);
     c.require_error("lse's shape differs");
   }
+  maybe_null_data(c, {&a.q, &a.k, &a.v, &a.out, &a.lse, &a.dout, &a.dq, &a.dk, &a.dv, opt(a.dlse), opt(a.attn_mask),
+                      opt(a.alibi_slopes), opt(a.sinks), opt(a.dsinks)});
   if (!c.run([&] { attnkit::attention_backward(a); })) return false;
   if (c.specials || a.dropout_p > 0) return true;  // dropout: written, not compared (its mask is the kernel's)
   // P and dS of one (b, h, i) row against key j, in double from the given out and lse.
@@ -1599,16 +1095,21 @@ struct Tally {
 // Shares of the calls, so that each API gets a useful part of the run's time.
 Api pick_api(Rng& rng) {
   const int64_t u = rng.range(0, 99);
-  if (u < 20) return Api::attention;
-  if (u < 32) return Api::sage_int8;
-  if (u < 35) return Api::sage_fp4;
-  if (u < 45) return Api::sparse_mla;
-  if (u < 49) return Api::sparse_q8kv8;
-  if (u < 62) return Api::varlen;
-  if (u < 74) return Api::paged;
-  if (u < 82) return Api::append_kv;
-  if (u < 90) return Api::merge;
-  return Api::backward;
+  if (u < 16) return Api::attention;
+  if (u < 25) return Api::sage_int8;
+  if (u < 28) return Api::sage_fp4;
+  if (u < 36) return Api::sparse_mla;
+  if (u < 39) return Api::sparse_q8kv8;
+  if (u < 50) return Api::varlen;
+  if (u < 60) return Api::paged;
+  if (u < 66) return Api::append_kv;
+  if (u < 71) return Api::merge;
+  if (u < 77) return Api::backward;
+  if (u < 84) return Api::mla_decode;
+  if (u < 86) return Api::quantize_v32;
+  if (u < 91) return Api::indexer_logits;
+  if (u < 95) return Api::paged_indexer_logits;
+  return Api::topk;
 }
 
 // Runs the call of `seed`; returns its API and whether it succeeded, throws Failure.
@@ -1623,7 +1124,12 @@ std::pair<Api, bool> run_one(uint64_t seed, bool verbose, const std::vector<std:
   try {
     switch (api) {
       case Api::sparse_mla:
-      case Api::sparse_q8kv8: return {api, fuzz_sparse(c, api == Api::sparse_q8kv8)};
+      case Api::sparse_q8kv8: return {api, fuzz_sparse_mla(c, api == Api::sparse_q8kv8)};
+      case Api::mla_decode: return {api, fuzz_mla_decode(c)};
+      case Api::quantize_v32: return {api, fuzz_quantize_v32(c)};
+      case Api::indexer_logits:
+      case Api::paged_indexer_logits: return {api, fuzz_indexer_logits(c, api == Api::paged_indexer_logits)};
+      case Api::topk: return {api, fuzz_topk(c)};
       case Api::varlen: return {api, fuzz_varlen(c)};
       case Api::paged: return {api, fuzz_paged(c)};
       case Api::append_kv: return {api, fuzz_append(c)};
