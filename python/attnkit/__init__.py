@@ -43,7 +43,8 @@ def get_num_threads() -> int:
 
 
 def get_isa() -> str:
-    """The CPU kernel variant in use: "avx512", "avx2" or "generic"."""
+    """The CPU kernel variant in use: "avx512amx", "avx512bf16", "avx512vnni", "avx512",
+    "avx2" or "generic" (supported_isas() lists those this CPU runs, best first)."""
     return _C.active_isa()
 
 

@@ -5,9 +5,10 @@ attnkit::attention is functional; attnkit::attention_out writes caller buffers (
 arguments). Seeds travel as int64 (two's complement of the uint64 seed); None means a fresh
 seed drawn at run time, never at trace time.
 
-No op has a backward yet: each op's Autograd kernel refuses an input that requires grad
-while grad mode is on (a ValueError naming it), instead of torch's default of a warning and
-a None gradient. Eager calls of attnkit.attention on plain tensors skip the dispatcher and
+attnkit::attention has a backward (_torch_backward, registered when this module loads), and
+so has the functional varlen op (_torch_serving); every other op's Autograd kernel refuses
+an input that requires grad while grad mode is on (a ValueError naming it), instead of
+torch's default of a warning and a None gradient. Eager calls of attnkit.attention on plain tensors skip the dispatcher and
 call the kernel directly (the dispatcher and a Python kernel cost ~20 us a call); under
 torch.compile, tensor subclasses or dispatch modes the registered op runs as before.
 """

@@ -158,8 +158,8 @@ def attention(q, k, v, *, attn_mask=None, causal=False, scale=None, dropout_p=0.
     D and Dv are in [1, 512] and may differ. Any strides are accepted.
 
     - scores = (q · kᵀ) · scale, scale defaulting to 1/sqrt(D).
-    - causal: False; True or "top_left" (query i sees keys j <= i); "bottom_right" (query i
-      sees keys j <= i + Skv - Sq, FlashAttention's convention for a KV prefix).
+    - causal: False (or None); True or "top_left" (query i sees keys j <= i); "bottom_right"
+      (query i sees keys j <= i + Skv - Sq, FlashAttention's convention for a KV prefix).
     - attn_mask: bool (True = attend) or an additive float tensor, broadcastable to
       [B, Hq, Sq, Skv] in BHSD order whatever the layout. Mask and causal may combine.
     - GQA/MQA: with enable_gqa=True, Hq must be a multiple of Hkv and query head h reads kv

@@ -27,12 +27,14 @@ def sage_attention(q, k, v, *, causal=False, scale=None, layout="BHSD", mode="in
       invariant to it, and the returned lse is corrected back by scale · q·mean.
     - Q is quantised to int8 per row (token and head), K per tile of 128 keys, each with
       scale max|x| / 127 and round-to-nearest-even.
-    - Q·Kᵀ is an exact integer dot product: AVX512-VNNI vpdpbusd on the avx512bf16 variant
-      (K stored + 128 as its unsigned operand, corrected by 128·Σq), fp32 FMAs on integers
-      below 2^24 elsewhere, so every ISA gets the same integers.
+    - Q·Kᵀ is an exact integer dot product: AVX512-VNNI vpdpbusd on the avx512bf16 and
+      avx512vnni variants (K stored + 128 as its unsigned operand, corrected by 128·Σq),
+      AMX tdpbusd on avx512amx, fp32 FMAs on integers below 2^24 on avx512, avx2 and
+      generic, so every ISA gets the same integers.
     - Scores are dequantised (q scale · k scale · softmax scale) into the fp32 online softmax.
-    - P·V: on avx512bf16, P and V rounded to bf16 and multiplied with vdpbf16ps (fp32
-      sums; 1.75× the fp32 FMA rate there); elsewhere fp32. The quantisation of K is one
+    - P·V: on avx512bf16 and avx512vnni, P and V rounded to bf16 and multiplied with
+      vdpbf16ps (fp32 sums; 1.75× the fp32 FMA rate on Zen 4), on avx512amx with tdpbf16ps;
+      fp32 on avx512, avx2 and generic. The quantisation of K is one
       pass over K per call; Q is quantised inside the kernel.
     mode "int8_pv_int8" — mode "int8" with P·V on int8 too, the CPU counterpart of
     SageAttention2's quantised P·V (sageattn_qk_int8_pv_fp8: there P and V are fp8 on the
@@ -48,8 +50,9 @@ def sage_attention(q, k, v, *, causal=False, scale=None, layout="BHSD", mode="in
       (times that key's V codes), the rest is quantised to u8 with step (second largest) /
       255. The tile's P is final when it is quantised, so a rise of the running max (the
       rescale by alpha of the earlier tiles' fp32 sums) never re-quantises anything.
-    - P·V is an exact integer dot product per tile (vpdpbusd on avx512bf16, fp32 FMAs on
-      integers below 2^24 elsewhere: every ISA gets the same integers), dequantised by the
+    - P·V is an exact integer dot product per tile (vpdpbusd on avx512bf16 and avx512vnni,
+      tdpbusd on avx512amx, fp32 FMAs on integers below 2^24 elsewhere: every ISA gets the
+      same integers), dequantised by the
       row's P scale into fp32 accumulators; the row sums l are of the unquantised P.
     - Rows of V holding a NaN or inf keep zero codes and their products are added exactly,
       so NaN and inf propagate as in exact attention.
