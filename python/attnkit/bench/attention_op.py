@@ -245,6 +245,8 @@ def _check(out, ref, dtype, factor=1.0, magnitude=None) -> Check:
         return Check(False, math.inf, f"shape {out.shape} != expected {ref.shape}")
     if not np.all(np.isfinite(out)):
         return Check(False, math.inf, f"{int(np.sum(~np.isfinite(out)))} non-finite values")
+    if not np.all(np.isfinite(ref)):  # attnkit's output, when a peer is compared with it
+        return Check(False, math.inf, f"{int(np.sum(~np.isfinite(ref)))} non-finite values on the reference side")
     scale = max(float(np.sqrt(np.mean(np.square(ref, dtype=np.float64)))), 1e-30)
     diff = np.abs(out.astype(np.float64) - ref)
     bound = atol * scale + rtol * np.abs(ref)
@@ -329,7 +331,8 @@ class AttentionOp(BenchOp):
         s = case.shape
         pairs = visible_pairs(s.Sq, s.Skv, s.causal)
         flops = 2.0 * s.B * s.Hq * (s.D + s.Dv) * pairs
-        kv_bytes = float(s.B * s.Hkv * s.Skv * (s.D + s.Dv) * itemsize(case.dtype))
+        keys_read = min(s.Skv, s.Sq) if s.causal else s.Skv  # top-left causal: keys past Sq never seen
+        kv_bytes = float(s.B * s.Hkv * keys_read * (s.D + s.Dv) * itemsize(case.dtype))
         return Counts(flops=flops, mem_bytes=kv_bytes, memory_bound=s.is_decode,
                       extra={"pairs": pairs})
 

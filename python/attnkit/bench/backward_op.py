@@ -42,7 +42,7 @@ class BackwardInputs(AttnInputs):
 
         self.dout = dout
         self.out, self.lse = attnkit.attention(q, k, v, causal=causal, enable_gqa=gqa, return_lse=True)
-        self.graph = None  # (leaves, out, dout) of torch SDPA, built on first use
+        self.graph = None  # (leaves, out, dout) of torch SDPA, built before timing (prepare_inputs)
 
     def torch_graph(self, causal, gqa):
         if self.graph is None:
@@ -97,6 +97,8 @@ def _check_grads(got, ref, dtype, factor=1.0) -> Check:
             return Check(False, math.inf, f"{name}: shape {g.shape} != expected {r.shape}")
         if not np.all(np.isfinite(g)):
             return Check(False, math.inf, f"{name}: {int(np.sum(~np.isfinite(g)))} non-finite values")
+        if not np.all(np.isfinite(r)):  # attnkit's gradients, when a peer is compared with them
+            return Check(False, math.inf, f"{name}: {int(np.sum(~np.isfinite(r)))} non-finite values on the reference side")
         top = max(float(np.max(np.abs(r))), 1e-30)
         diff = np.abs(g.astype(np.float64) - r)
         bad = diff > factor * (atol * top + rtol * np.abs(r))
@@ -214,7 +216,8 @@ class BackwardOp(AttentionOp):
             return [leaf.grad for leaf in leaves]
 
         out.append(Contender("torch-sdpa-backward", "peer", run_torch, set_threads=torch.set_num_threads,
-                             note=f"torch {torch.__version__}, out.backward only"))
+                             note=f"torch {torch.__version__}, out.backward only",
+                             prepare_inputs=lambda x: x.torch_graph(s.causal, s.gqa)))  # untimed
         return out, notes
 
 
@@ -223,7 +226,7 @@ register(BackwardOp())
 
 class VarlenBackwardInputs(VarlenInputs):
     """The packed batch, dout, and the forward's out and lse (attnkit's, untimed); a padded
-    torch graph for the peer, built on first use."""
+    torch graph for the peer, built before timing (prepare_inputs)."""
 
     def __init__(self, x, dout, causal):
         super().__init__(x.q, x.k, x.v, x.cu)
@@ -311,6 +314,10 @@ class VarlenBackwardOp(VarlenOp):
         ref = [g.astype(np.float64) for g in _grads_of(attnkit_out)]
         return _check_grads(_grads_of(out), ref, case.dtype, PEER_FACTOR)
 
+    def reset_outputs(self, inputs):
+        for buffer in (inputs.out,) + inputs.grads:
+            buffer.fill(np.nan)
+
     def inject_error(self, case, ref, out):
         dq = out[0].copy()
         dq[0, ref["kvh"] * ref["group"], 0] = dq[0, ref["kvh"] * ref["group"], 0] * -3 + 1
@@ -348,7 +355,8 @@ class VarlenBackwardOp(VarlenOp):
             return [leaf.grad.transpose(1, 2).reshape(-1, leaf.shape[1], s.D)[index] for leaf in leaves]
 
         out.append(Contender("torch-sdpa-padded-backward", "peer", run_torch, set_threads=torch.set_num_threads,
-                             note=f"torch {torch.__version__}, padded + mask, out.backward only"))
+                             note=f"torch {torch.__version__}, padded + mask, out.backward only",
+                             prepare_inputs=lambda x: x.torch_graph(s)))  # untimed
         return out, notes
 
 

@@ -106,6 +106,7 @@ def _f64(x, rows=None):
 
 class DsaOp(BenchOp):
     name = "dsa"
+    outputs_finite = False  # logits are -inf outside a row's keys
     description = "DSA indexer logits, top-k and sparse decode (attnkit.dsa vs torch written as a user would)"
     dtype_aliases = {"fp8": FP8, "float8_e4m3fn": FP8, "e4m3": FP8}
     quick_note = "rows and keys / 16"

@@ -154,6 +154,15 @@ class BenchOp:
         """Checks a peer's full output against attnkit's."""
         raise NotImplementedError
 
+    # Whether attnkit's whole output must be finite (checked by the runner, beyond the subset
+    # verify compares): not where a contract writes -inf or +inf (the DSA logits, sparse lse).
+    outputs_finite = True
+
+    def reset_outputs(self, inputs) -> None:
+        """Fills the output buffers an input set carries (contenders that write with out=)
+        with NaN before each contender's verifying call, so that each is verified on what it
+        wrote itself, not on what the one before it left there."""
+
     def inject_error(self, case: Case, ref, out) -> Any:
         """A copy of `out` made wrong where verify looks (for testing the tool itself)."""
         raise NotImplementedError

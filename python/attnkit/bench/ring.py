@@ -9,7 +9,7 @@ on a new output each call (--fresh-out: they allocate, as plain calls do). Repor
 of the wall time (the slower rank), the speed-up with its spread over reps, the CPU time
 and page faults of each, and per rank and ring step the median compute (of which merging),
 wait (transfer not hidden) and the time outside the steps (exchange of shapes, packing).
-The ring output is checked against the single-process one first.
+Both outputs are checked against a float64 reference on a few rows first.
 """
 
 import argparse
@@ -22,6 +22,32 @@ import tempfile
 import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: no spinning OpenMP threads
+
+
+def _verify(q, k, v, outs, dtype):
+    """Both contenders' outputs on 2 heads x 5 rows against a float64 reference, with the
+    attention benchmark's per-dtype tolerances (attention_op._check); raises if either fails."""
+    import numpy as np
+
+    from attnkit.bench.attention_op import _check
+
+    seq, group = q.shape[2], q.shape[1] // k.shape[1]
+    heads, rows = sorted({0, q.shape[1] - 1}), sorted({0, 1, seq // 3, seq // 2, seq - 1})
+    ref = np.empty((len(heads), len(rows), v.shape[3]))
+    magnitude = np.empty_like(ref)
+    for a, h in enumerate(heads):
+        kh, vh = (x[0, h // group].double().numpy() for x in (k, v))
+        for b, i in enumerate(rows):  # causal: keys 0 .. i
+            s = kh[:i + 1] @ q[0, h, i].double().numpy() / np.sqrt(q.shape[3])
+            p = np.exp(s - s.max())
+            ref[a, b], magnitude[a, b] = p @ vh[:i + 1] / p.sum(), p @ np.abs(vh[:i + 1]) / p.sum()
+    for name, out in outs.items():
+        got = out[0][heads][:, rows].double().numpy()
+        chk = _check(got, ref, {"fp32": "float32", "bf16": "bfloat16"}[dtype], magnitude=magnitude)
+        if not chk.ok:
+            raise AssertionError(f"{name} vs the float64 reference: {chk.detail}")
+        print(f"verified: {name} vs the float64 reference (2 heads x 5 rows), max error {chk.err:.2e} of the rms",
+              flush=True)
 
 
 def _rank_main(rank, world, store_path, args, result_path):
@@ -74,11 +100,7 @@ def _rank_main(rank, world, store_path, args, result_path):
         if rep == 0:
             full = ad.gather_sequence(out, layout="zigzag")
             if rank == 0:
-                err = (full.double() - want.double()).abs().max().item()
-                tol = 1e-4 if dtype == torch.float32 else 3e-2
-                if not err <= tol:
-                    raise AssertionError(f"ring output differs from one process by {err} (> {tol})")
-                print(f"verified: ring vs one process, max |diff| {err:.2e}", flush=True)
+                _verify(q, k, v, {"one process": want, "ring": full}, args.dtype)
     gathered = [None] * world
     dist.all_gather_object(gathered, (steps[1:], ring_cpu[1:], ring_faults[1:], outside[1:]))
     if rank == 0:

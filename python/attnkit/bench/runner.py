@@ -123,6 +123,29 @@ def input_sets_needed(input_bytes: int, llc_bytes: int, max_sets: int) -> int:
     return max(1, min(max_sets, math.ceil(2 * llc_bytes / input_bytes)))
 
 
+def _snapshot(out):
+    """A copy of a contender's output (arrays, tensors, or tuples of them): contenders may
+    return the one buffer an input set carries, which the next contender overwrites."""
+    if isinstance(out, (tuple, list)):
+        return type(out)(_snapshot(o) for o in out)
+    if isinstance(out, np.ndarray):
+        return out.copy()
+    if hasattr(out, "detach"):
+        return out.detach().clone()
+    return out
+
+
+def _nonfinite(out) -> int:
+    """How many values of an output (arrays, tensors, or tuples of them) are NaN or inf."""
+    if isinstance(out, (tuple, list)):
+        return sum(_nonfinite(o) for o in out)
+    if hasattr(out, "detach"):
+        out = out.detach().float().numpy()
+    if not isinstance(out, np.ndarray) or out.dtype.kind in "biu":  # index outputs
+        return 0
+    return int(np.sum(~np.isfinite(out.astype(np.float32))))  # float, or ml_dtypes' bfloat16
+
+
 def _call(c: Contender, x):
     c.prepare()
     try:
@@ -167,7 +190,9 @@ def run_case(op: BenchOp, case: Case, threads: list, machine, settings: Settings
                 if c.prepare_inputs is not None:
                     for x in inputs:
                         c.prepare_inputs(x)
+                op.reset_outputs(inputs[0])
                 out, dt = _call(c, inputs[0])
+                out = _snapshot(out)
             except Exception as e:  # noqa: BLE001
                 # attnkit's own kernels raising is a failure; a peer raising is only skipped.
                 row.status = "error" if c.role == "peer" else "FAILED"
@@ -176,6 +201,8 @@ def run_case(op: BenchOp, case: Case, threads: list, machine, settings: Settings
             if c.role == "attnkit" and settings.inject_error:
                 out = op.inject_error(case, ref, out)
             chk = c.verify(ref, out) if c.verify is not None else op.verify(case, ref, out)
+            if chk.ok and c.role == "attnkit" and op.outputs_finite and _nonfinite(out):
+                chk = Check(False, math.inf, f"{_nonfinite(out)} non-finite values in the whole output")
             row.err = chk.err
             if not chk.ok:
                 row.status, row.detail = "FAILED", f"vs float64 reference: {chk.detail}"
