@@ -79,8 +79,13 @@ _torch_ops = None
 
 def torch_ops():
     """attnkit._torch_ops, imported on the first torch call (it imports torch); kept in a
-    global since an import statement costs about a microsecond on every call."""
+    global since an import statement costs about a microsecond on every call. A trace
+    (torch.compile) imports it instead: reading the global there made dynamo guard on its
+    value, and the first compiled call, which sets it, recompiled the caller."""
     global _torch_ops
+    if _torch().compiler.is_compiling():
+        from . import _torch_ops as module
+        return module
     if _torch_ops is None:
         from . import _torch_ops as module
         _torch_ops = module
@@ -197,7 +202,7 @@ def attention(q, k, v, *, attn_mask=None, causal=False, scale=None, dropout_p=0.
       torch.ops.attnkit.attention (traced with fullgraph=True); eager calls on plain tensors
       call the kernel directly, the same computation without the dispatcher's cost.
     - scale and dropout_p: a Python or numpy number, or a 0-d tensor / array. Flags
-      (enable_gqa, return_lse, causal) are bools: anything else is a ValueError.
+      (enable_gqa, return_lse) are bools, causal as above: anything else is a ValueError.
     - Autograd: torch inputs q, k, v (and sinks) that require grad get gradients from
       attnkit's backward (attnkit.attention_backward; dropout then needs a seed), score
       modifiers included. out=, a mask or ALiBi slopes that require grad have no backward:

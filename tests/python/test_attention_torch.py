@@ -1,6 +1,10 @@
 """attnkit.attention with torch tensors: agreement with torch SDPA (a second opinion next to
 the float64 reference), dtype/kind round trips, out=, torch.compile and torch.library.opcheck."""
 
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 
@@ -211,6 +215,23 @@ def test_torch_compile_fullgraph(rng):
     q2, k2, v2 = tq(rng, 1, 4, 2, 17, 33, 16, 8)
     assert_close(cf(q2, k2, v2, mask)[0], f(q2, k2, v2, mask)[0].double().numpy(),
                  *tolerance("float32"), "compiled, second call")
+
+
+def test_first_compiled_call_does_not_recompile():
+    """A fresh process whose first attnkit call is compiled: the call loads attnkit's torch
+    ops, which once changed a global the trace had guarded on (one recompile per process)."""
+    script = textwrap.dedent("""
+        import torch, torch._dynamo
+        import attnkit
+        torch._dynamo.config.error_on_recompile = True
+        cf = torch.compile(lambda q: attnkit.attention(q, q, q, causal=True) * 2, fullgraph=True)
+        q = torch.randn(1, 2, 16, 32)
+        for _ in range(3):
+            cf(q)
+        print("ok")
+    """)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout + res.stderr
 
 
 def test_compiled_graph_holds_the_registered_op(rng):
