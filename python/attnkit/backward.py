@@ -46,6 +46,12 @@ def attention_backward(q, k, v, out, lse, dout, *, attn_mask=None, causal=False,
     dq = dS·k·scale, dk = dSᵀ·q·scale; with GQA, dk and dv are summed over each group.
     With the soft-cap dS is multiplied by 1 - tanh²(s/c); with sinks, P carries the sink's
     share of the denominator and dsinks[h] = -Σ_(b,i) P_sink(b, h, i)·D(b, h, i).
+
+    Limits (as FlashAttention's and torch's flash backward): P is rebuilt from the float32
+    lse alone, so where lse = m + log(l) cannot hold log(l) (|m| far beyond log(l)·2^24, e.g.
+    a row whose every key is masked by -1e30 or finfo.min instead of False / -inf) that row's
+    P, and its gradients, are up to l times too large; and at scores of magnitude ~1e5 and
+    beyond, exp's argument S·scale - lse loses precision (1e8: P off by a large factor).
     """
     code = causal_code(causal)
     enable_gqa = flag(enable_gqa, "enable_gqa")

@@ -170,6 +170,8 @@ def attention(q, k, v, *, attn_mask=None, causal=False, scale=None, dropout_p=0.
     - GQA/MQA: with enable_gqa=True, Hq must be a multiple of Hkv and query head h reads kv
       head h // (Hq // Hkv). Hq != Hkv without enable_gqa is an error.
     - A query row with no attendable key gives out = 0 and lse = -inf.
+    - Most paths multiply q by scale before Q·Kᵀ: where |q|·|scale| exceeds float32's range
+      (3.4e38) the row is NaN even if (q·kᵀ)·scale is finite.
     - Score modifiers (FlashAttention's conventions; they combine with each other, attn_mask,
       causal and GQA). Query i is aligned to key position a = i + Skv - Sq (bottom-right), or
       a = i with causal True / "top_left": the alignment the causal limit uses, and without

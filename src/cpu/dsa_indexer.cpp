@@ -583,7 +583,8 @@ void topk_select(const TopkParams& p) {
   auto body = [&](int64_t r, int) {
     const int64_t len = p.lengths[r * p.lengths_stride];
     const int64_t start = p.starts ? p.starts[r * p.starts_stride] : 0;
-    const float* row = p.logits + r * p.logits_stride[0] + start * p.logits_stride[1];
+    // (No row when it is empty: the logits of an [N, 0] tensor may have no data.)
+    const float* row = len > 0 ? p.logits + r * p.logits_stride[0] + start * p.logits_stride[1] : nullptr;
     std::vector<uint64_t> keys, spare;
     select_candidates(row, p.logits_stride[1], len, p.topk, keys);
     radix_sort(keys, spare, 32);

@@ -85,6 +85,23 @@ def test_tiny_query_rows(rng, isa, mode, q_size):
     np.testing.assert_allclose(lse, ref_lse, atol=LSE_ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("mode", ["int8", "int8_pv_int8"])
+def test_float16_values_near_the_largest_stay_finite(rng, isa, mode):
+    """float16 V of magnitude 65280-65504: the bf16 P·V rounds them up to 65536, past float16's
+    range, but out (a convex combination of V) lies within it: finite, within the contract."""
+    q, k, v = make_qkv(rng, 1, 2, 2, 9, 40, 64, 64, "float16")
+    sign = np.where(rng.random(v.shape) < 0.5, -1.0, 1.0)
+    v = (sign * rng.uniform(65280, 65504, v.shape)).astype(np.float16)
+    out = attnkit.sage_attention(q, k, v, mode=mode)
+    ref, _ = attention_ref(q, k, v, enable_gqa=True)
+    assert np.isfinite(out).all()
+    assert np.abs(out.astype(np.float64)).max() <= 65504
+    cos, l1 = accuracy(out, ref)
+    assert cos >= COS_MIN and l1 <= REL_L1_MAX, f"cos {cos:.6f}, rel L1 {l1:.4f}"
+    v[0, 0, 3, 5] = np.inf  # a non-finite V still propagates
+    assert not np.isfinite(attnkit.sage_attention(q, k, v, mode=mode)[0, 0, :, 5]).any()
+
+
 @pytest.mark.parametrize("layout", ["BHSD", "BSHD"])
 def test_layouts_scale_and_bottom_right(rng, layout):
     q, k, v = make_qkv(rng, 2, 8, 1, 37, 200, 64, 48, "bfloat16", layout=layout)

@@ -201,7 +201,14 @@ class AttentionTask {
       }
 #endif
       if (plan_.pv_int8) o = unquantize_pv(rb, o, l, scratch);
-      store_row<T>(o, inv, p_.Dv, dst, p_.out_stride[3]);
+      // Sage's P·V on bf16 pairs rounds float16 V up past 65504 (65440 to 65536), which out,
+      // a convex combination of V, never exceeds: saturate rather than store inf.
+      if constexpr (T == DType::float16) {
+        if (kq_) store_row_float16_saturated(o, inv, p_.Dv, dst, p_.out_stride[3]);
+        else store_row<T>(o, inv, p_.Dv, dst, p_.out_stride[3]);
+      } else {
+        store_row<T>(o, inv, p_.Dv, dst, p_.out_stride[3]);
+      }
       if (p_.lse) {
         p_.lse[rb.b * p_.lse_stride[0] + h * p_.lse_stride[1] + row * p_.lse_stride[2]] =
             l == 0.0f ? -INFINITY : m[r] + std::log(l) + shift;

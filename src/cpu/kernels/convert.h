@@ -3,6 +3,8 @@
 // even exactly as attnkit::float_to_* (and torch) do.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -440,6 +442,17 @@ inline void store_row(const float* src, float scale, int64_t n, typename Elem<T>
     }
   }
   for (; i < n; ++i) dst[i * stride] = Elem<T>::store(src[i] * scale);
+}
+
+// store_row for float16 with finite values past float16's range saturated to ±65504
+// (inf and NaN stay): for outputs whose exact value is a convex combination of float16
+// values, so lies within that range, but whose computation rounded those values up.
+inline void store_row_float16_saturated(const float* src, float scale, int64_t n, uint16_t* dst, int64_t stride) {
+  constexpr float kMax = 65504.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = src[i] * scale;
+    dst[i * stride] = Elem<DType::float16>::store(std::isfinite(x) ? std::clamp(x, -kMax, kMax) : x);
+  }
 }
 
 // Loads one mask element as an additive bias (bool false -> -inf).
