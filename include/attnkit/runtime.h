@@ -16,7 +16,7 @@ int get_num_threads();
 
 // Stopping a running op (the Python binding turns Ctrl-C into this). While a poll is
 // installed on a thread, each op called on that thread calls poll(context) from that thread
-// between its tasks and while it waits for another thread's op, about every 10 ms. When
+// between its tasks and while it waits for another thread's op, about every 50 ms. When
 // poll returns true the op starts no further task, waits for the running ones and throws
 // Interrupted: the outputs then hold results where finished tasks wrote them and their
 // previous contents elsewhere (which parts is unspecified). Tasks are blocks of output rows

@@ -13,6 +13,10 @@
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
+#include <cxxabi.h>
+#include <pthread.h>
+#include <unistd.h>
+
 #include <optional>
 #include <string>
 #include <tuple>
@@ -86,11 +90,36 @@ std::optional<attnkit::TensorView> to_view(const std::optional<TypedArray>& type
 }
 
 // Ctrl-C while an op runs with the GIL released: Python's handler cannot run until the call
-// returns, so the op polls (runtime.h, on its calling thread, about every 10 ms) and the poll
+// returns, so the op polls (runtime.h, on its calling thread, about every 50 ms) and the poll
 // takes the GIL and runs the pending signal handlers. If one raised (KeyboardInterrupt), the
 // op stops and that exception is raised from the call. Only the main thread runs signal
 // handlers, so calls on other threads install no poll.
 unsigned long main_thread_ident = 0;
+
+// A fork() child's only thread is its main thread, as os.fork tells Python (without this a
+// child forked from another thread installed no poll, and Ctrl-C waited for the call).
+void main_thread_is_forking_thread() { main_thread_ident = PyThread_get_thread_ident(); }
+
+// The GIL released around an op. A daemon thread that takes the GIL back while the
+// interpreter finalizes is ended by pthread_exit (Python 3.11), whose unwinding through a
+// destructor (noexcept) aborted the process at exit (torch's ops do the same): such a thread
+// parks instead, as later Pythons do themselves; the exiting process ends it.
+class GilReleased {
+ public:
+  GilReleased() : state_(PyEval_SaveThread()) {}
+  ~GilReleased() {
+    try {
+      PyEval_RestoreThread(state_);
+    } catch (abi::__forced_unwind&) {
+      for (;;) pause();
+    }
+  }
+  GilReleased(const GilReleased&) = delete;
+  GilReleased& operator=(const GilReleased&) = delete;
+
+ private:
+  PyThreadState* state_;
+};
 
 bool run_signal_handlers(void*) {
   nb::gil_scoped_acquire gil;
@@ -102,7 +131,7 @@ void run_op(const F& op) {
   const bool main_thread = PyThread_get_thread_ident() == main_thread_ident;
   bool interrupted = false;
   {
-    nb::gil_scoped_release release;
+    const GilReleased released;
     attnkit::ScopedInterruptPoll poll(main_thread ? run_signal_handlers : nullptr, nullptr);
     try {
       op();
@@ -446,6 +475,7 @@ void topk_transform(const InArray& logits, const InArray& lengths, int64_t topk,
 
 NB_MODULE(_C, m) {
   main_thread_ident = nb::cast<unsigned long>(nb::module_::import_("threading").attr("main_thread")().attr("ident"));
+  pthread_atfork(nullptr, nullptr, main_thread_is_forking_thread);
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);

@@ -1,5 +1,6 @@
 #include "core/scratch.h"
 
+#include <pthread.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -22,10 +23,22 @@ struct Kept {
   }
 };
 
-Kept& kept() {
-  static Kept k;
-  return k;
+// Namespace-scope and constant-initialised: no static-initialisation guard a fork() could
+// catch half-taken.
+constinit Kept g_kept;
+
+Kept& kept() { return g_kept; }
+
+// In a fork() child the mutex may be held by a thread that no longer exists (a child hung in
+// the backward's scratch), and the list may be half-changed: start both afresh, leaving
+// the parent's kept blocks to the child's exit.
+void forget_kept_in_child() {
+  new (&g_kept.mutex) std::mutex();
+  new (&g_kept.blocks) std::vector<std::pair<void*, int64_t>>();
 }
+
+// Registered when the library loads, before any thread of it exists.
+[[maybe_unused]] const int g_atfork = pthread_atfork(nullptr, nullptr, forget_kept_in_child);
 
 }  // namespace
 

@@ -88,3 +88,41 @@ def test_sigint_interrupts_a_long_call(kind, threads):
     assert latency < 0.3, f"KeyboardInterrupt came {latency:.3f} s after SIGINT ({end - start:.2f} s into the call)"
     assert lines[0][3] == "True", "an interrupted call cannot have written all of out"
     assert lines[-1] == ["ok"]
+
+
+FORKED_FROM_A_THREAD = r"""
+import os, signal, threading, time
+import numpy as np
+import attnkit
+big = np.random.default_rng(0).standard_normal((1, 8, 6144, 64)).astype(np.float32)
+attnkit.attention(big[:, :, :64], big[:, :, :64], big[:, :, :64])
+t0 = time.monotonic(); attnkit.attention(big, big, big); whole = time.monotonic() - t0
+def child():
+    threading.Thread(target=lambda: (time.sleep(0.05), os.kill(os.getpid(), signal.SIGINT)), daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        attnkit.attention(big, big, big)
+        os.write(1, b"completed\n")
+    except KeyboardInterrupt:
+        os.write(1, f"interrupted {time.monotonic() - t0:.3f} of {whole:.3f}\n".encode())
+    os._exit(0)
+def fork_and_wait():
+    pid = os.fork()
+    if pid == 0:
+        child()
+    os.waitpid(pid, 0)
+thread = threading.Thread(target=fork_and_wait)
+thread.start()
+thread.join()
+"""
+
+
+def test_sigint_in_a_child_forked_from_another_thread():
+    """The forking thread is the child's main thread (as os.fork tells Python): its calls
+    stop at Ctrl-C too (the binding kept the parent's main thread and installed no poll)."""
+    res = subprocess.run([sys.executable, "-c", FORKED_FROM_A_THREAD], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    words = res.stdout.split()
+    assert words[0] == "interrupted", res.stdout + res.stderr
+    latency, whole = float(words[1]), float(words[3])
+    assert latency < 0.05 + 0.3 and latency < whole, res.stdout

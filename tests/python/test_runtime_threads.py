@@ -1,6 +1,7 @@
 """Several Python threads calling attnkit at once get the results of serial calls (bitwise:
 results do not depend on the thread count), also while another thread changes the thread
-count; and memory stays flat over many calls."""
+count; memory stays flat over many calls; daemon threads inside calls at exit do not abort
+the process; a thread count the system refuses is an error, not a hang."""
 
 import os
 import subprocess
@@ -98,3 +99,56 @@ def test_memory_is_flat_over_many_calls():
     assert r.returncode == 0, r.stderr
     growth_kib = int(r.stdout.split()[-1])
     assert growth_kib < 4096, f"RSS grew by {growth_kib} KiB over 2000 rounds of calls"
+
+
+DAEMONS_AT_EXIT = r"""
+import sys, threading, time
+import numpy as np
+import attnkit
+attnkit.set_num_threads(2)
+q = np.random.default_rng(0).standard_normal((1, 2, 64, 32)).astype(np.float32)
+o, l = attnkit.attention(q, q, q, return_lse=True)
+def loop():
+    while True:
+        attnkit.attention(q, q, q) if sys.argv[1] == "forward" else attnkit.attention_backward(q, q, q, o, l, o)
+for _ in range(2):
+    threading.Thread(target=loop, daemon=True).start()
+time.sleep(0.05)
+"""
+
+
+def test_daemon_threads_in_calls_at_exit():
+    """Python 3.11 ends a daemon thread retaking the GIL at exit by pthread_exit; unwinding
+    through the binding aborted the process (30 of 30 runs: "terminate called")."""
+    for kind in ("forward", "backward"):
+        for _ in range(4):
+            res = subprocess.run([sys.executable, "-c", DAEMONS_AT_EXIT, kind], capture_output=True, text=True,
+                                 timeout=60)
+            assert res.returncode == 0, (kind, res.returncode, res.stderr)
+
+
+TOO_MANY_THREADS = r"""
+import resource
+import numpy as np
+import attnkit
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))  # about 350 thread stacks
+q = np.ones((1, 2, 64, 16), np.float32)
+attnkit.set_num_threads(1024)
+try:
+    attnkit.attention(q, q, q)
+    print("started 1024 threads")
+except ValueError as e:
+    print(e)
+attnkit.set_num_threads(2)
+print("later call", float(attnkit.attention(q, q, q).sum()))
+"""
+
+
+def test_a_refused_thread_is_an_error_not_a_hang():
+    res = subprocess.run([sys.executable, "-c", TOO_MANY_THREADS], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = res.stdout.splitlines()
+    if lines[0] != "started 1024 threads":  # where the limit leaves room for all, nothing to check
+        assert lines[0].startswith("could not start 1024 threads (the system refused thread"), res.stdout
+    assert lines[1] == "later call 2048.0", res.stdout
+
