@@ -25,8 +25,9 @@ def sage_attention(q, k, v, *, causal=False, scale=None, layout="BHSD", mode="in
     mode "int8" — SageAttention2's recipe adapted to this CPU:
     - K is smoothed by subtracting its per-(batch, kv head) mean over tokens: softmax is
       invariant to it, and the returned lse is corrected back by scale · q·mean.
-    - Q is quantised to int8 per row (token and head), K per tile of 128 keys, each with
-      scale max|x| / 127 and round-to-nearest-even.
+    - Q and K are quantised to int8 per row (token and head), each with scale max|x| / 127
+      and round-to-nearest-even (SageAttention quantises K per block of keys; per key, one
+      large key or a heavy-tailed K no longer coarsens its neighbours).
     - Q·Kᵀ is an exact integer dot product: AVX512-VNNI vpdpbusd on the avx512bf16 and
       avx512vnni variants (K stored + 128 as its unsigned operand, corrected by 128·Σq),
       AMX tdpbusd on avx512amx, fp32 FMAs on integers below 2^24 on avx512, avx2 and
@@ -65,6 +66,15 @@ def sage_attention(q, k, v, *, causal=False, scale=None, layout="BHSD", mode="in
     order, and P quantised with SageAttention3's two-level scaling (P~ = 2688·e^(s-m) per row,
     per 16 keys a scale max(P~)/6). Needs D a multiple of 16 and Dv == D. The spec, with its
     sources and open questions, is docs/sage_fp4.md; lse is that of the FP4 logits.
+
+    Accuracy (modes "int8" and "int8_pv_int8", against exact attention, per head): cosine
+    >= 0.999 and relative L1 <= 0.02 on random inputs, with outlier channels in K, one key
+    20x the others, and on all-MiniLM-L6-v2's activations (tests). Measured outside it (worst
+    head of 4 seeds, same on every ISA): logits of standard deviation 4 (q 4x) rel L1 0.019 /
+    0.021 (int8 / int8_pv_int8); heavy-tailed K (Student t, 4 degrees) 0.024 / 0.026; a few
+    query rows 100x the others cos 0.985; one key 50x the others cos 0.9989; int8_pv_int8
+    with one value row 20x the others (V is quantised per channel over all tokens) rel L1
+    0.032. Use exact attention there.
 
     Score modifiers (window, softcap, alibi_slopes, sinks): as in attnkit.attention, honoured
     by modes "int8" and "int8_pv_int8" (the soft-cap acts on the logits with the K smoothing

@@ -86,7 +86,7 @@ void run_sage_int8(const AttentionParams& p, bool pv_int8) {
   const int64_t quads = (p.D + 3) / 4, tiles = (p.Skv + kKvTile - 1) / kKvTile;
   const int64_t dv_pad = round_up(p.Dv, kLanes), heads = p.B * p.Hkv;
   AlignedBuffer<uint8_t> codes(heads * p.Skv * 4 * quads);
-  AlignedBuffer<float> scale(heads * tiles), mean(heads * p.D);
+  AlignedBuffer<float> scale(heads * p.Skv), mean(heads * p.D);
   const Plan plan(p, true, pv_int8);  // V's pairs are laid out as its tile loop reads them
   AlignedBuffer<uint32_t> v_pairs(kDotProducts && !pv_int8 ? heads * plan.v_pairs_per_head * dv_pad : 0);
   AlignedBuffer<uint8_t> nonfinite(heads * p.Skv), tile_nonfinite(heads * tiles);

@@ -73,7 +73,7 @@ inline int64_t prepared_v_pairs(int64_t skv, bool slabs) {
 // exact attention.
 struct QuantizedKeys {
   const uint8_t* codes;           // [B][Hkv][Skv][4 * quads]
-  const float* scale;             // [B][Hkv][tiles]
+  const float* scale;             // [B][Hkv][Skv]: per key
   const float* mean;              // [B][Hkv][D]
   const uint32_t* v_pairs;        // [B][Hkv][prepared_v_pairs(Skv, v_slabs)][dv_pad], or null
   const uint8_t* nonfinite;       // [B][Hkv][Skv]: 1 where the key row holds a NaN or inf
