@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     if args.list_shapes:
         for name, s in op.named_shapes().items():
             dims = s.dims() if hasattr(s, "dims") else str(s)
-            print(f"{name:4s} {dims}  dtypes: {', '.join(s.dtypes or ())}")
+            print(f"{name:4s} {dims}  dtypes: {', '.join(op.dtypes_for(s, None)[0])}")
         return 0
 
     from .attention_op import DTYPE_ALIASES
