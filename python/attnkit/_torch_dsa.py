@@ -5,7 +5,7 @@ tensor that reaches attnkit.dsa. Outputs are caller buffers (mutated arguments).
 import torch
 
 from ._torch_ops import register_grad_refusal
-from .dsa import run_flash_mla, run_mqa_logits, run_paged_mqa_logits, run_topk
+from .dsa import run_flash_mla, run_mqa_logits, run_paged_mqa_logits, run_quantize_v32_kv, run_topk
 
 _LIB = torch.library.Library("attnkit", "FRAGMENT")
 _LIB.define("flash_mla_with_kvcache(Tensor q, Tensor k_cache, Tensor? block_table, Tensor? cache_seqlens, "
@@ -35,6 +35,7 @@ _LIB.define("fp8_paged_mqa_logits(Tensor q, Tensor kv_cache, Tensor weights, Ten
             "Tensor block_table, int max_context_len, bool clean_logits, Tensor(a!) logits) -> ()")
 _LIB.define("topk_transform(Tensor logits, Tensor lengths, int topk, Tensor? row_starts, Tensor? offsets, "
             "Tensor? page_table, int page_size, Tensor? row_to_batch, Tensor(a!) out) -> ()")
+_LIB.define("quantize_v32_kv(Tensor kv, Tensor(a!) dst) -> ()")
 
 
 def _mqa_logits_impl(q, kv, kv_scale, weights, ks, ke, clean_logits, max_seqlen_k, logits):
@@ -46,7 +47,8 @@ def _mqa_topk_impl(q, kv, kv_scale, weights, ks, ke, topk_indices):
 
 
 for _name, _impl in (("fp8_mqa_logits", _mqa_logits_impl), ("fp8_mqa_topk", _mqa_topk_impl),
-                     ("fp8_paged_mqa_logits", run_paged_mqa_logits), ("topk_transform", run_topk)):
+                     ("fp8_paged_mqa_logits", run_paged_mqa_logits), ("topk_transform", run_topk),
+                     ("quantize_v32_kv", run_quantize_v32_kv)):
     _LIB.impl(_name, _impl, "CPU")
     torch.library.register_fake(f"attnkit::{_name}", _no_result_fake, lib=_LIB)
     register_grad_refusal(_name, _LIB)
@@ -66,3 +68,7 @@ def paged_mqa_logits(*args):
 
 def topk(*args):
     torch.ops.attnkit.topk_transform(*args)
+
+
+def quantize_v32_kv(*args):
+    torch.ops.attnkit.quantize_v32_kv(*args)

@@ -132,8 +132,15 @@ def quantize_v32_kv(kv):
         raise ValueError(f"kv must have a last dim of 576 (512 nope + 64 rope), got shape {list(shape)}")
     flat = kv.reshape(-1, 576)
     dst = empty_like_kind(kind, (flat.shape[0], V32_TOKEN_BYTES), "uint8")
-    _C.quantize_v32_kv(typed(flat, "kv"), typed_output(dst, "dst"))
+    if kind == "torch":
+        _torch_dsa().quantize_v32_kv(flat, dst)
+    else:
+        run_quantize_v32_kv(flat, dst)
     return dst.reshape(shape[:-1] + (V32_TOKEN_BYTES,))
+
+
+def run_quantize_v32_kv(kv, dst):
+    _C.quantize_v32_kv(typed(kv, "kv"), typed_output(dst, "dst"))
 
 
 # --- lightning indexer ----------------------------------------------------------------------

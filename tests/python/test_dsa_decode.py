@@ -284,6 +284,19 @@ def test_quantize_torch_and_shape():
         dsa.quantize_v32_kv(np.zeros((3, 576), np.float16))
 
 
+def test_quantize_is_a_registered_op():
+    """quantize_v32_kv is a torch.library op (opcheck passes; torch.compile with fullgraph
+    traces it; an input that requires grad is refused)."""
+    kv = tt(bf16(np.random.default_rng(7).standard_normal((4, 576))))
+    dst = torch.empty((4, 656), dtype=torch.uint8)
+    import attnkit._torch_dsa  # noqa: F401
+    torch.library.opcheck(torch.ops.attnkit.quantize_v32_kv, (kv, dst))
+    compiled = torch.compile(lambda x: dsa.quantize_v32_kv(x), fullgraph=True)
+    assert torch.equal(compiled(kv), dsa.quantize_v32_kv(kv))
+    with pytest.raises(ValueError, match="quantize_v32_kv has no backward yet, and kv requires grad"):
+        dsa.quantize_v32_kv(kv.float().requires_grad_(True))
+
+
 # --- dense ----------------------------------------------------------------------------------
 
 class DenseCase:

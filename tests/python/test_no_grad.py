@@ -1,8 +1,9 @@
-"""No attnkit op has a backward yet: every op, through every torch entry point, refuses an
-input that requires grad while grad mode is on (a ValueError naming the op and the input),
-instead of returning a result whose backward leaves q.grad None. With grad mode off
-(torch.no_grad, torch.inference_mode, set_grad_enabled(False)) or detached inputs, the ops
-compute as usual."""
+"""The ops without a backward (all but the functional attention and varlen attention, whose
+backward test_attention_backward.py and test_varlen_backward.py check), through every torch
+entry point, refuse an input that requires grad while grad mode is on (a ValueError naming
+the op and the input), instead of returning a result whose backward leaves q.grad None.
+With grad mode off (torch.no_grad, torch.inference_mode, set_grad_enabled(False)) or
+detached inputs, the ops compute as usual."""
 
 import pytest
 
@@ -115,3 +116,45 @@ def test_compiled_call_refuses_grad(rng):
     q.requires_grad_(True)
     with pytest.raises(Exception, match="has no backward yet, and q requires grad"):
         f(q, k, v)
+
+
+def serving_and_dsa_calls():
+    """(op name in the message, the input that requires grad, the call) of the serving, merge
+    and DSA ops, each on small valid inputs."""
+    from attnkit import dsa
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(3, 4, 16, generator=g)
+    kc, vc = torch.randn(4, 8, 2, 16, generator=g), torch.randn(4, 8, 2, 16, generator=g)
+    table, lens = torch.tensor([[0, 1], [2, -1]], dtype=torch.int32), torch.tensor([10, 5], dtype=torch.int32)
+    cu_q = torch.tensor([0, 1, 3], dtype=torch.int32)
+    k = torch.randn(3, 2, 16, generator=g)
+    lse = torch.randn(3, 4, generator=g)
+    logits = torch.randn(2, 50, generator=g)
+    qm = torch.randn(1, 1, 16, 64, generator=g).to(torch.bfloat16)
+    kv = torch.randn(2, 8, 1, 64, generator=g).to(torch.bfloat16)
+    sq = torch.randn(2, 64, 512, generator=g).to(torch.float8_e4m3fn)
+    skv = torch.randn(300, 1, 512, generator=g).to(torch.float8_e4m3fn)
+    idx = torch.randint(-1, 300, (2, 1, 128), dtype=torch.int32, generator=g)
+    one = torch.ones(1)
+    return [
+        ("paged_attention", "q", lambda x: attnkit.paged_attention(x, kc, vc, table, lens, cu_q), q),
+        ("append_kv_cache", "k", lambda x: attnkit.append_kv_cache(x, k, kc.clone(), vc.clone(),
+                                                                   torch.tensor([0, 1, 2], dtype=torch.int32)), k),
+        ("merge_attention_states", "out_a", lambda x: attnkit.merge_attention_states(x, lse, q, lse), q),
+        ("topk_transform", "logits", lambda x: dsa.topk(x, torch.tensor([50, 50], dtype=torch.int32), 4), logits),
+        ("flash_mla_with_kvcache", "q", lambda x: dsa.flash_mla_with_kvcache(
+            x, kv, torch.tensor([[0]], dtype=torch.int32), torch.tensor([5], dtype=torch.int32), 32), qm),
+        ("sparse_mla_q8kv8_prefill_fwd", "q_scale", lambda x: attnkit.sparse_mla_q8kv8_prefill_fwd(
+            sq, skv, idx, 0.05, x, one), one),
+    ]
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_serving_and_dsa_ops_refuse_grad(case):
+    name, which, call, x = serving_and_dsa_calls()[case]
+    with pytest.raises(ValueError, match=f"^torch.ops.attnkit.{name} has no backward yet, and {which} requires grad"):
+        call(x.clone().requires_grad_(True))
+    with torch.no_grad():
+        call(x.clone().requires_grad_(True))
+

@@ -330,6 +330,20 @@ def test_paged_deterministic_across_threads(rng, dtype, restore_runtime):
 
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_varlen_deterministic_across_threads(rng, dtype, restore_runtime):
+    q_lens, k_lens = [1, 300, 40, 0, 129], [2000, 300, 700, 5, 129]
+    q = randn(rng, (sum(q_lens), 8, 64), dtype)
+    k, v = randn(rng, (sum(k_lens), 2, 64), dtype), randn(rng, (sum(k_lens), 2, 48), dtype)
+    results = []
+    for n in (1, 2, 3):
+        attnkit.set_num_threads(n)
+        results.append(attnkit.varlen_attention(q, k, v, cu(q_lens), cu(k_lens), causal=True, return_lse=True))
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            np.testing.assert_array_equal(to_f64(a), to_f64(b))
+
+
 @pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "float8_e4m3fn"])
 def test_paged_read_ahead_ways_agree(rng, cache_dtype, isa, monkeypatch):
     # Decode over grouped kv heads reads ahead into L2 share by share (ATTNKIT_READ_AHEAD=l2,
@@ -532,6 +546,12 @@ VARLEN_ERRORS = [
     (dict(causal="yes"), "causal must be True or False, got 'yes'"),
     (dict(max_seqlen_q=2**63), "max_seqlen_q must fit int64, got 9223372036854775808"),
     (dict(window=(2**63, 0)), "window must be a pair of ints that fit int64"),
+    (dict(v=np.zeros((8, 2, 8), np.float32)), "v must have shape [9, 2, Dv] (total_k, Hkv from k), got [8, 2, 8]"),
+    (dict(v=np.zeros((9, 2, 8), np.float16)), "v must have q's dtype float32, got float16"),
+    (dict(k=np.zeros((9, 2, 7), np.float32)), "k head dim must equal q's D=8, got 7"),
+    (dict(v=np.zeros((9, 2, 513), np.float32)), "v head dim Dv must be in [1, 512], got 513"),
+    (dict(out=np.zeros((6, 4, 9), np.float32)), "out must have shape [6, 4, 8] ([total_q, Hq, Dv]), got [6, 4, 9]"),
+    (dict(cu_seqlens_q=np.zeros(0, np.int32)), "cu_seqlens_q must have B + 1 >= 1 elements, got 0"),
 ]
 
 
@@ -577,6 +597,11 @@ def test_paged_errors(rng):
            v_cache=np.zeros((4, 0, 2, 16), np.float32))
     expect("block_table must be int32, got int64", block_table=base["block_table"].astype(np.int64))
     expect("k_scale must be a float, got", k_scale=10**400)
+    expect("k_cache head dim must equal q's D=16, got 15", k_cache=base["k_cache"][..., :15].copy())
+    expect("v_cache head dim Dv must be in [1, 512], got 0", v_cache=np.zeros(base["v_cache"].shape[:3] + (0,), np.float32))
+    nb, bs = base["v_cache"].shape[:2]
+    expect(f"v_cache must have shape [{nb}, {bs}, 2, Dv]", v_cache=base["v_cache"][:, :, :1].copy())
+    expect("out must have shape [3, 4, 16] ([total_q, Hq, Dv]), got [3, 4, 17]", out=np.zeros((3, 4, 17), np.float32))
     args = _paged_args(rng)
     with pytest.raises(ValueError, match="out must not alias q"):
         attnkit.paged_attention(**args, out=args["q"])
@@ -604,3 +629,9 @@ def test_append_errors(rng):
     flat = np.zeros(2 * 4 * 2 * 8 + 1, np.float32)   # v_cache one element past k_cache: they share elements
     expect("k_cache must not alias v_cache", k_cache=flat[:-1].reshape(2, 4, 2, 8), v_cache=flat[1:].reshape(2, 4, 2, 8))
     expect("v_scale must be a float, got", v_scale=10**400)
+    expect("slot_mapping must have T=3 elements (k's tokens), got 2", slot_mapping=np.array([0, 1], np.int32))
+    expect("v must have k's dtype float32, got float16", v=k.astype(np.float16))
+    expect("v must have shape [3, 2, Dv] (T, Hkv from k), got [2, 2, 8]", v=k[:2].copy())
+    expect("v_cache must have shape [2, 4, 2, 8]", v_cache=np.zeros((2, 4, 2, 9), np.float32))
+    expect("k_cache must be float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, got int32",
+           k_cache=np.zeros((2, 4, 2, 8), np.int32), v_cache=np.zeros((2, 4, 2, 8), np.int32))
