@@ -325,7 +325,8 @@ def test_ring_benchmark_runs(capfd):
     from attnkit.bench import ring
     assert ring.main(["--seq", "256", "--heads", "2", "--kv-heads", "1", "--dim", "32", "--reps", "1"]) == 0
     text = capfd.readouterr().out  # the ranks print from their own processes
-    assert "verified: ring vs one process" in text and "| 2 ranks x 1 thread (ring_attention) |" in text
+    assert "verified: one process vs the float64 reference" in text and "verified: ring vs the float64 reference" in text
+    assert "| 2 ranks x 1 thread (ring_attention) |" in text
     # 2 ranks x 2 steps of compute, merge and wait
     assert len(re.findall(r"^\| [01] \| [01] \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|$", text, re.M)) == 4
     assert re.search(r"^speed-up rep by rep: median [0-9.]+x, min [0-9.]+x, max [0-9.]+x$", text, re.M)
