@@ -124,7 +124,7 @@ class SageOp(AttentionOp):
         best = attnkit.get_isa()
         notes = [
             "attnkit-sage-int8: times include the quantisation pre-pass (K smoothing + int8 per "
-            "128-key tile, V packing); it runs inside attnkit.sage_attention and cannot be timed "
+            "key, V packing); it runs inside attnkit.sage_attention and cannot be timed "
             "separately from Python",
             f"sage verified per head on the float64 reference subset with {CONTRACT}; exact "
             "peers as in --op attention; FLOPs are exact attention's (causal: visible pairs)",
