@@ -203,6 +203,15 @@ def paged_case(rng, B, next_n, H, D_, page, max_len):
     for b in range(B):
         nb = -(-int(lens[b].max()) // page)
         table[b, :nb] = perm[b * max_blocks:b * max_blocks + nb]
+    # NaN (fp8 code 0x7F, NaN scale) in every token no row of its batch reads, as FlashMLA's
+    # tests poison unreferenced rows: a kernel that read one would show it.
+    used = {(int(table[b, s // page]), s % page) for b in range(B) for s in range(int(lens[b].max()))}
+    nan_scale = np.frombuffer(np.float32(np.nan).tobytes(), np.uint8)
+    for block in range(num_blocks):
+        for t in range(page):
+            if (block, t) not in used:
+                big[block, t * D_:(t + 1) * D_] = 0x7F
+                big[block, page * D_ + 4 * t:page * D_ + 4 * t + 4] = nan_scale
     q = fp8(rng, (B, next_n, H, D_))
     w = rng.standard_normal((B * next_n, H)).astype(np.float32)
     return q, cache_view, kfp8, kscale, w, lens, table
