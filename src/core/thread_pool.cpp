@@ -111,14 +111,19 @@ class Pool {
  public:
   // Throws Error when the system refuses a thread (a process or container limit), after
   // stopping those that started: unwinding past waiting workers destroyed the condition
-  // variable under them and hung the call and every later one.
+  // variable under them and hung the call and every later one. Any other failure while
+  // starting them (bad_alloc) stops them too before it propagates.
   explicit Pool(int threads) : threads_(threads) {
     try {
+      workers_.reserve(threads_ - 1);
       for (int t = 1; t < threads_; ++t) workers_.emplace_back([this, t] { worker(t); });
     } catch (const std::system_error& e) {
       stop_workers();
       throw Error("could not start " + std::to_string(threads_) + " threads (the system refused thread " +
                   std::to_string(workers_.size() + 1) + ": " + e.what() + "); set fewer with set_num_threads");
+    } catch (...) {
+      stop_workers();
+      throw;
     }
   }
   ~Pool() { stop_workers(); }

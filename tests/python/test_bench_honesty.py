@@ -64,7 +64,8 @@ def test_nan_outside_the_verified_subset_fails():
 
 @pytest.mark.parametrize("Sq,Skv,causal,left,right", [(64, 64, True, 10, 0), (50, 80, False, 7, 3),
                                                       (80, 50, True, 0, 0), (33, 33, False, -1, 5),
-                                                      (40, 40, True, 100, 0)])
+                                                      (40, 40, True, 100, 0), (40, 60, True, -1, -1),
+                                                      (60, 40, False, -1, -1)])
 def test_window_pairs_counts_visible_pairs(Sq, Skv, causal, left, right):
     s = AttentionOp().parse_shape(f"B=1,H=1,Sq={Sq},Skv={Skv},D=8" + (",causal" if causal else ""))
     seen = 0

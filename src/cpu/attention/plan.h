@@ -52,7 +52,7 @@ constexpr bool kAmxTiles = false;
 // per tile, and 256 keys halved that traffic (the product measured 5.7 against 6.6 ns per
 // tile instruction at 128); 512 took bf16 prefill another 3-5% (machine X7, shapes V, A).
 constexpr int64_t kAmxKvTile = 512;
-static_assert(kAmxKvTile % kKvTile == 0, "sage's K scale tiles (kKvTile keys) tile the AMX tiles");
+static_assert(kAmxKvTile % kKvTile == 0, "sage's kKvTile-key tiles tile the AMX tiles");
 // Rows of Sᵀ: AMX writes whole tiles of 16 keys, so a tile's last keys may fill one past it.
 constexpr int64_t kScoreRows = kAmxTiles ? kAmxKvTile + 16 : kKvTile;
 // Keys of one slab of V's prepared pairs on AMX tiles (Plan::v_slabs): one tile's depth, 16
@@ -65,10 +65,10 @@ inline int64_t prepared_v_pairs(int64_t skv, bool slabs) {
 
 // K and V prepared once per call for sage int8 mode (prepare_sage): K smoothed by its
 // per-head mean over tokens (softmax is invariant to it; lse is corrected), then int8 with
-// one scale per kKvTile keys, stored + 128 as the unsigned operand of vpdpbusd; on
+// one scale per key, stored + 128 as the unsigned operand of vpdpbusd; on
 // avx512bf16 also V as bf16 pairs of consecutive keys for vdpbf16ps (on AMX tiles as Vᵀ's
 // slabs, Plan::v_slabs, as dense calls prepare them). Key rows holding a
-// NaN or inf are left out of the mean and the tile scales and get zero codes; their logits
+// NaN or inf are left out of the mean and get zero codes; their logits
 // are computed exactly instead (fix_nonfinite_logits), so NaN and inf propagate as in
 // exact attention.
 struct QuantizedKeys {
@@ -185,7 +185,7 @@ struct Plan {
     v_pairs = tile.pv_bf16 && !int8 && !p.block_table && !p.kv_begin && p.Sq * p.group > row_target;
     v_slabs = amx && (v_pairs || (int8 && !pv_int8));  // sage int8's V pairs too (prepare_sage)
     v_pairs_per_head = prepared_v_pairs(p.Skv, v_slabs);
-    key_tile = amx ? kAmxKvTile : kKvTile;  // multiples of sage's K scale tiles (kKvTile keys)
+    key_tile = amx ? kAmxKvTile : kKvTile;  // multiples of sage's kKvTile-key tiles
     k_floats = std::max(kKvTile * d_pad, amx ? rows_pad * key_tile / 2 : 0);
     v_floats = std::max(kKvTile, key_tile / 2) * dv_pad;
     for (int64_t r = 1; r <= kLanes / 2; ++r) few[r] = make_mode(p, r, !int8 && r <= kMaxDotRows);
