@@ -459,7 +459,7 @@ void prepare_sage(const AttentionParams& p, uint8_t* codes, float* scale, float*
     float* mu = mean + head * p.D;
     uint8_t* bad = nonfinite + head * p.Skv;
     const int64_t ld = round_up(p.D, kLanes);  // K rows staged zero-padded to whole vectors
-    AlignedBuffer<float> tile(std::max(kKvTile * ld, (2 + kLanes) * dv_pad));
+    AlignedBuffer<float> tile(std::max(ld, (2 + kLanes) * dv_pad));  // a key row, or V's staged pair rows
     AlignedBuffer<double> sum(ld), mu_wide(ld);
     auto load_key = [&](int64_t j, float* row) {
       return load_finite_row<T>(k + j * p.k_stride[2], p.k_stride[3], p.D, ld, row);
@@ -477,38 +477,33 @@ void prepare_sage(const AttentionParams& p, uint8_t* codes, float* scale, float*
       if (d < p.D) mu[d] = finite_rows ? static_cast<float>(sum.data[d] / finite_rows) : 0.0f;
       mu_wide.data[d] = d < p.D ? double{mu[d]} : 0.0;
     }
-    for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t j0 = t * kKvTile, n = skv - j0 < kKvTile ? (skv > j0 ? skv - j0 : 0) : kKvTile;
-      tile_nonfinite[head * tiles + t] = 0;
-      for (int64_t j = 0; j < n; ++j) {
-        load_key(j0 + j, tile.data + j * ld);
-        if (bad[j0 + j]) tile_nonfinite[head * tiles + t] = 1;
+    std::memset(tile_nonfinite + head * tiles, 0, tiles);
+    for (int64_t j = 0; j < skv; ++j) {
+      uint8_t* dst = codes + (head * p.Skv + j) * 4 * quads;
+      scale[head * p.Skv + j] = 1.0f;
+      if (bad[j]) {
+        tile_nonfinite[head * tiles + j / kKvTile] = 1;
+        std::memset(dst, 128, 4 * quads);
+        continue;
       }
-      for (int64_t j = 0; j < n; ++j) {
-        uint8_t* dst = codes + (head * p.Skv + j0 + j) * 4 * quads;
-        scale[head * p.Skv + j0 + j] = 1.0f;
-        if (bad[j0 + j]) {
-          std::memset(dst, 128, 4 * quads);
-          continue;
-        }
-        const float* row = tile.data + j * ld;
-        vdouble amax_lanes{};
-        for (int64_t d = 0; d < ld; d += kHalf) {
-          const vdouble x = widen(row + d) - vload_double(mu_wide.data + d);
-          const vdouble a = x < 0.0 ? -x : x;
-          amax_lanes = a > amax_lanes ? a : amax_lanes;
-        }
-        double amax = 0.0;
-        for (int i = 0; i < kHalf; ++i) amax = amax_lanes[i] > amax ? amax_lanes[i] : amax;
-        const double step = amax > 0.0 ? amax / 127.0 : 1.0;
-        scale[head * p.Skv + j0 + j] = static_cast<float>(step);
-        const vdouble vstep = vdouble{} + step;
-        for (int64_t d = 0; d < 4 * quads; d += kHalf) {  // |x| <= 127; zero past D
-          const vdouble x = round_even((widen(row + d) - vload_double(mu_wide.data + d)) / vstep);
-          const vhalf_ints code = __builtin_convertvector(x, vhalf_ints) + 128;
-          const auto c = __builtin_convertvector(code, uint8_t __attribute__((vector_size(kHalf))));
-          std::memcpy(dst + d, &c, std::min<int64_t>(kHalf, 4 * quads - d));
-        }
+      float* row = tile.data;
+      load_key(j, row);
+      vdouble amax_lanes{};
+      for (int64_t d = 0; d < ld; d += kHalf) {
+        const vdouble x = widen(row + d) - vload_double(mu_wide.data + d);
+        const vdouble a = x < 0.0 ? -x : x;
+        amax_lanes = a > amax_lanes ? a : amax_lanes;
+      }
+      double amax = 0.0;
+      for (int i = 0; i < kHalf; ++i) amax = amax_lanes[i] > amax ? amax_lanes[i] : amax;
+      const double step = amax > 0.0 ? amax / 127.0 : 1.0;
+      scale[head * p.Skv + j] = static_cast<float>(step);
+      const vdouble vstep = vdouble{} + step;
+      for (int64_t d = 0; d < 4 * quads; d += kHalf) {  // |x| <= 127; zero past D
+        const vdouble x = round_even((widen(row + d) - vload_double(mu_wide.data + d)) / vstep);
+        const vhalf_ints code = __builtin_convertvector(x, vhalf_ints) + 128;
+        const auto c = __builtin_convertvector(code, uint8_t __attribute__((vector_size(kHalf))));
+        std::memcpy(dst + d, &c, std::min<int64_t>(kHalf, 4 * quads - d));
       }
     }
 #if defined(ATTNKIT_ISA_avx512bf16)
