@@ -2,7 +2,7 @@
 # The sanitizer gate: builds the library, the C++ tests and the fuzz driver with
 # AddressSanitizer + UndefinedBehaviorSanitizer (-fno-sanitize-recover=all: the first report
 # fails) in build/asan, runs the C++ unit tests, then the seeded random-call fuzz driver
-# (tests/fuzz/fuzz_api.cpp) for ATTNKIT_FUZZ_SECONDS seconds (default 120; set it higher, or
+# (tests/fuzz/) for ATTNKIT_FUZZ_SECONDS seconds (default 120; set it higher, or
 # pass --seconds N, for a longer run). A failing fuzz call prints its seed; replay it with
 #   build/asan/tests/fuzz/attnkit_fuzz --replay 0x<seed>
 # Usage: scripts/check_sanitizers.sh [--seconds N] [--seed X]
