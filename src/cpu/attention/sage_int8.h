@@ -477,7 +477,7 @@ void prepare_sage(const AttentionParams& p, uint8_t* codes, float* scale, float*
       if (d < p.D) mu[d] = finite_rows ? static_cast<float>(sum.data[d] / finite_rows) : 0.0f;
       mu_wide.data[d] = d < p.D ? double{mu[d]} : 0.0;
     }
-    std::memset(tile_nonfinite + head * tiles, 0, tiles);
+    std::fill_n(tile_nonfinite + head * tiles, tiles, uint8_t{0});  // (no tile, and no buffer, for Skv 0)
     for (int64_t j = 0; j < skv; ++j) {
       uint8_t* dst = codes + (head * p.Skv + j) * 4 * quads;
       scale[head * p.Skv + j] = 1.0f;
