@@ -155,7 +155,7 @@ class BenchOp:
         raise NotImplementedError
 
     # Whether attnkit's whole output must be finite (checked by the runner, beyond the subset
-    # verify compares): not where a contract writes -inf or +inf (the DSA logits, sparse lse).
+    # verify compares): not where a contract writes -inf or +inf (the DSA logits).
     outputs_finite = True
 
     def reset_outputs(self, inputs) -> None:

@@ -201,8 +201,10 @@ def run_case(op: BenchOp, case: Case, threads: list, machine, settings: Settings
             if c.role == "attnkit" and settings.inject_error:
                 out = op.inject_error(case, ref, out)
             chk = c.verify(ref, out) if c.verify is not None else op.verify(case, ref, out)
-            if chk.ok and c.role == "attnkit" and op.outputs_finite and _nonfinite(out):
-                chk = Check(False, math.inf, f"{_nonfinite(out)} non-finite values in the whole output")
+            if chk.ok and c.role == "attnkit" and op.outputs_finite:
+                bad = _nonfinite(out)
+                if bad:
+                    chk = Check(False, math.inf, f"{bad} non-finite values in the whole output")
             row.err = chk.err
             if not chk.ok:
                 row.status, row.detail = "FAILED", f"vs float64 reference: {chk.detail}"
