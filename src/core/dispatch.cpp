@@ -80,7 +80,7 @@ bool zen4_read_ahead(const CpuId& id) { return id.vendor == "AuthenticAMD" && id
 bool avx512bf16_runnable() {
   return cpu_has("avx512f") && cpu_has("avx512bw") && cpu_has("avx512vl") && cpu_has("avx512dq") &&
          cpu_has("avx2") && cpu_has("fma") && cpu_has("f16c") && cpu_has("bmi2") && cpu_has("avx512bf16") &&
-         cpu_has("avx512vnni");
+         cpu_has("avx512vnni") && cpu_has("avx512vbmi");
 }
 
 // avx512vnni's attention: bf16 calls that only decode run avx512bf16's loop, on vdpbf16ps.
@@ -124,7 +124,7 @@ bool os_allows_amx() {
 
 bool avx512amx_runnable() {
   return avx512bf16_runnable() && cpu_has("amx-tile") && cpu_has("amx-bf16") && cpu_has("amx-int8") &&
-         cpu_has("avx512vbmi") && os_allows_amx();
+         os_allows_amx();
 }
 
 // avx512amx: the bf16 tile loop (dense, varlen and paged prefill) and decode over grouped kv
@@ -302,7 +302,7 @@ static std::string isa_choice(const CpuId& id) {
     const std::string name = v.table->isa;
     if (name == "avx512amx") {
       return name + ": " + describe(id) +
-             " has AMX tiles (and VBMI), so bf16 prefill and backward, decode over grouped kv heads (paged caches), "
+             " has AMX tiles, so bf16 prefill and backward, decode over grouped kv heads (paged caches), "
              "sparse MLA and the DSA indexer run their "
              "products on tdpbf16ps and int8 Sage its Q·Kᵀ on tdpbusd" +
              (bf16_dot_slower_than_fma(id)
