@@ -12,7 +12,7 @@ namespace attnkit {
 
 enum class SageMode : uint8_t {
   int8,          // SageAttention2's recipe on this CPU (see python/attnkit/sage.py)
-  int8_pv_int8,  // int8 too for P·V: u8 P per row and key tile × s8 V per channel (vpdpbusd)
+  int8_pv_int8,  // int8 too for P·V: u8 P per row and key tile × s8 V per key tile and channel (vpdpbusd)
   fp4,   // SageAttention3's NVFP4 numerics, emulated exactly (slow; docs/sage_fp4.md)
 };
 

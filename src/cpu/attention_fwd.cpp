@@ -100,16 +100,16 @@ void run_sage_int8(const AttentionParams& p, bool pv_int8) {
 #endif
   AlignedBuffer<uint32_t> v_codes(pv_int8 ? v_code_words + v_pad_words : 0);
   if (pv_int8) std::memset(v_codes.data + v_code_words, 0, sizeof(uint32_t) * v_pad_words);
-  AlignedBuffer<float> v_scale(pv_int8 ? heads * dv_pad : 0), v_mean(pv_int8 ? heads * dv_pad : 0);
-  AlignedBuffer<uint8_t> v_nonfinite(pv_int8 ? heads * p.Skv : 0), v_tile_nonfinite(pv_int8 ? heads * tiles : 0);
+  AlignedBuffer<float> v_scale(pv_int8 ? heads * tiles * dv_pad : 0), v_mean(pv_int8 ? heads * dv_pad : 0);
+  AlignedBuffer<uint8_t> v_exact(pv_int8 ? heads * p.Skv : 0), v_tile_exact(pv_int8 ? heads * tiles : 0);
   if (pv_int8) {
-    fwd::prepare_sage_values<T>(p, v_codes.data, v_scale.data, v_mean.data, v_nonfinite.data,
-                                v_tile_nonfinite.data, tiles, dv_pad);
+    fwd::prepare_sage_values<T>(p, v_codes.data, v_scale.data, v_mean.data, v_exact.data,
+                                v_tile_exact.data, tiles, dv_pad);
   }
   const QuantizedKeys kq{codes.data,        scale.data,          mean.data,   v_pairs.data,
                          nonfinite.data,    tile_nonfinite.data, quads,       tiles,
                          pv_int8 ? v_codes.data : nullptr,       v_scale.data, v_mean.data,
-                         v_nonfinite.data,  v_tile_nonfinite.data};
+                         v_exact.data,  v_tile_exact.data};
   run_attention<T>(p, plan, &kq);
 }
 

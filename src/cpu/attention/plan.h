@@ -80,14 +80,14 @@ struct QuantizedKeys {
   const uint8_t* tile_nonfinite;  // [B][Hkv][tiles]: 1 where any key of the tile does
   int64_t quads, tiles;
   // Sage int8_pv_int8 only (else null): V smoothed by its per-channel mean over tokens and
-  // quantised to s8 per channel, as quads of 4 consecutive keys (the s8 operand of
-  // vpdpbusd), with the rows holding a NaN or inf flagged and left at zero codes (their
-  // products are added exactly instead, fix_nonfinite_values).
-  const uint32_t* v_codes;          // [B][Hkv][ceil(Skv / 4)][dv_pad]
-  const float* v_scale;             // [B][Hkv][dv_pad]: per channel
-  const float* v_mean;              // [B][Hkv][dv_pad]
-  const uint8_t* v_nonfinite;       // [B][Hkv][Skv]
-  const uint8_t* v_tile_nonfinite;  // [B][Hkv][tiles]
+  // quantised to s8 per tile and channel, as quads of 4 consecutive keys (the s8 operand of
+  // vpdpbusd), with the rows holding a NaN or inf, and each tile's outlier row, flagged and
+  // left at zero codes (their products are added exactly instead, add_exact_values).
+  const uint32_t* v_codes;      // [B][Hkv][ceil(Skv / 4)][dv_pad]
+  const float* v_scale;         // [B][Hkv][tiles][dv_pad]: per kKvTile keys and channel
+  const float* v_mean;          // [B][Hkv][dv_pad]
+  const uint8_t* v_exact;       // [B][Hkv][Skv]: 1 where the row's products are exact
+  const uint8_t* v_tile_exact;  // [B][Hkv][tiles]: 1 where any row of the tile's are
 };
 
 // One sequence's share of the work: its row blocks (kv heads × head chunks × query blocks,

@@ -209,55 +209,64 @@ float AttentionTask<T, TK>::lse_shift(const RowBlock& rb, int64_t h, int64_t i) 
 // u8 with step (second largest) / 255, so small probabilities next to a dominant one keep
 // their precision (on all-MiniLM-L6-v2 this cut the worst head's relative L1 from 0.05 to
 // 0.004 in an emulation). A row whose P holds a NaN gets p_scale NaN (exact attention's row
-// is NaN too). The sums are exact integers: tdpbusd, vpdpbusd, or fp32 FMAs on integers below
-// 2^24 (255 · 127 · 128 < 2^23) elsewhere, so every ISA gets the same integers. V's
-// per-channel scale and mean are applied once, in write_out (unquantize_pv).
+// is NaN too). The sums are exact integers per kKvTile keys (V's scales are per tile and
+// channel): tdpbusd, vpdpbusd, or fp32 FMAs on integers below 2^24 (255 · 127 · 128 < 2^23)
+// elsewhere, so every ISA gets the same integers; each tile's are dequantised by the row's P
+// scale and the tile's V scales into O, which holds Σ p (v - mean) (V's mean is added back
+// once, in write_out: unquantize_pv).
 template <DType T, DType TK>
 void AttentionTask<T, TK>::pv_int8(const RowBlock& rb, int64_t j0, int64_t bc, const Workspace& w) const {
   const int64_t ld = plan_.rows_pad, dv_pad = plan_.dv_pad, head = rb.b * p_.Hkv + rb.kvh;
   const int64_t quads = (bc + 3) / 4;  // of keys: the products' reduction
   const uint32_t* v = kq_->v_codes + (head * ((p_.Skv + 3) / 4) + j0 / 4) * dv_pad;
-  const bool bad_values = values_nonfinite(rb, j0, bc);  // fix_nonfinite_values reads P
+  // V's scales of the tile holding key j0 + j (key tiles start at tile borders: visible_keys)
+  auto v_scale = [&](int64_t j) { return kq_->v_scale + (head * kq_->tiles + (j0 + j) / kKvTile) * dv_pad; };
+  const bool exact_values = values_exact(rb, j0, bc);  // add_exact_values reads P
   uint32_t* codes = reinterpret_cast<uint32_t*>(w.p_codes);  // [quads][ld]
   online_softmax_tile_u8_quads(w.st, bc, ld, ld, w.m, w.l, w.alpha, codes, w.p_scale, w.p_top, w.p_top_key,
-                               bad_values);
+                               exact_values);
 #if defined(ATTNKIT_ISA_avx512amx)
   // tdpbusd: P's quads transposed to rows (the A operand, whole tiles of quads, zero past
   // bc), V's quads in place (QuantizedKeys pads them a tile past the last head); the int32
-  // sums land in w.pv and are rescaled with the top P below.
+  // sums of each kKvTile keys (whole AMX tiles of quads) land in w.pv, and O = O · alpha +
+  // Σ sums · P scale · the tile's V scales.
   const int64_t quads_pad = round_up(quads, kAmxTile);
   std::memset(codes + quads * ld, 0, sizeof(uint32_t) * (quads_pad - quads) * ld);
   uint32_t* p_rows = codes + quads_pad * ld;  // [ld][quads_pad]
   transpose_matrix(reinterpret_cast<const float*>(codes), ld, quads_pad, ld, reinterpret_cast<float*>(p_rows),
                    quads_pad);
   int32_t* sums = reinterpret_cast<int32_t*>(w.pv);
-  gemm_amx_u8s8(ld, dv_pad, quads_pad, p_rows, quads_pad, v, dv_pad, sums, dv_pad, false);
+  static_assert(kKvTile / 4 % kAmxTile == 0, "a tile of keys is whole AMX tiles of quads");
+  for (int64_t q0 = 0; q0 < quads_pad; q0 += kKvTile / 4) {
+    gemm_amx_u8s8(ld, dv_pad, std::min(kKvTile / 4, quads_pad - q0), p_rows + q0, quads_pad, v + q0 * dv_pad, dv_pad,
+                  sums, dv_pad, false);
+    const float* vs = v_scale(4 * q0);
+    for (int64_t r = 0; r < rb.rows; ++r) {
+      const vfloat alpha = vbroadcast(q0 == 0 ? w.alpha[r] : 1.0f), scale = vbroadcast(w.p_scale[r]);
+      float* o = w.o + r * dv_pad;
+      for (int64_t d = 0; d < dv_pad; d += kLanes) {
+        vint s;
+        std::memcpy(&s, sums + r * dv_pad + d, sizeof s);
+        vstore(o + d, vload(o + d) * alpha + __builtin_convertvector(s, vfloat) * scale * vload(vs + d));
+      }
+    }
+  }
 #elif defined(ATTNKIT_ISA_avx512bf16)
   gemm_u8s8_rescale<kTallRows, kTallVecs>(rb.rows, dv_pad, quads, codes, 1, ld, v, dv_pad, w.o, dv_pad, w.alpha,
-                                          w.p_scale);
+                                          w.p_scale, v_scale(0));
 #endif
 #if defined(ATTNKIT_ISA_avx512bf16)
-  for (int64_t r = 0; r < rb.rows; ++r) {  // (on AMX: O · alpha + sums · P scale) + top P · its key's V codes
+  for (int64_t r = 0; r < rb.rows; ++r) {  // + top P · its key's V codes · their tile's scales
     const int64_t j = w.p_top_key[r];
     const uint32_t* quad = v + j / 4 * dv_pad;
+    const float* vs = v_scale(j);
     const int shift = static_cast<int>(24 - 8 * (j % 4));
     const vfloat top = vbroadcast(w.p_top[r]);
     float* o = w.o + r * dv_pad;
-#if defined(ATTNKIT_ISA_avx512amx)
-    const vfloat alpha = vbroadcast(w.alpha[r]), scale = vbroadcast(w.p_scale[r]);
-    const int32_t* sum = sums + r * dv_pad;
-#endif
     for (int64_t d = 0; d < dv_pad; d += kLanes) {
       vint x;
       std::memcpy(&x, quad + d, sizeof x);
-#if defined(ATTNKIT_ISA_avx512amx)
-      vint s;
-      std::memcpy(&s, sum + d, sizeof s);
-      const vfloat rescaled = vload(o + d) * alpha + __builtin_convertvector(s, vfloat) * scale;
-#else
-      const vfloat rescaled = vload(o + d);
-#endif
-      vstore(o + d, rescaled + top * __builtin_convertvector((x << shift) >> 24, vfloat));
+      vstore(o + d, vload(o + d) + top * __builtin_convertvector((x << shift) >> 24, vfloat) * vload(vs + d));
     }
   }
 #else
@@ -277,42 +286,46 @@ void AttentionTask<T, TK>::pv_int8(const RowBlock& rb, int64_t j0, int64_t bc, c
     }
   }
   gemm<kTallRows, kTallVecs>(rb.rows, dv_pad, bc, p_floats, 1, ld, w.v, dv_pad, w.pv, dv_pad, false);
+  static_assert(kKvTile % kLanes == 0 && kLanes <= kKvTile, "");
+  const float* vs = v_scale(0);  // (key tiles are one tile of V's scales off AMX)
   for (int64_t r = 0; r < rb.rows; ++r) {
     const vfloat alpha = vbroadcast(w.alpha[r]), scale = vbroadcast(w.p_scale[r]), top = vbroadcast(w.p_top[r]);
     const float* vtop = w.v + w.p_top_key[r] * dv_pad;
     float* o = w.o + r * dv_pad;
-    for (int64_t d = 0; d < dv_pad; d += kLanes)
-      vstore(o + d, vload(o + d) * alpha + vload(w.pv + r * dv_pad + d) * scale + top * vload(vtop + d));
+    for (int64_t d = 0; d < dv_pad; d += kLanes) {
+      const vfloat sums = vload(w.pv + r * dv_pad + d) * scale + top * vload(vtop + d);
+      vstore(o + d, vload(o + d) * alpha + sums * vload(vs + d));
+    }
   }
 #endif
-  if (bad_values) fix_nonfinite_values(rb, j0, bc, w);
+  if (exact_values) add_exact_values(rb, j0, bc, w);
 }
 
-// Whether V rows j0 .. j0+bc-1 of the row block's kv head may hold a NaN or inf: their
+// Whether some of V rows j0 .. j0+bc-1 of the row block's kv head are exact rows: their
 // kKvTile-key scale tiles say so.
 template <DType T, DType TK>
-bool AttentionTask<T, TK>::values_nonfinite(const RowBlock& rb, int64_t j0, int64_t bc) const {
+bool AttentionTask<T, TK>::values_exact(const RowBlock& rb, int64_t j0, int64_t bc) const {
   const int64_t head = rb.b * p_.Hkv + rb.kvh;
   bool any = false;
-  for (int64_t t = j0 / kKvTile; t * kKvTile < j0 + bc; ++t) any = any || kq_->v_tile_nonfinite[head * kq_->tiles + t];
+  for (int64_t t = j0 / kKvTile; t * kKvTile < j0 + bc; ++t) any = any || kq_->v_tile_exact[head * kq_->tiles + t];
   return any;
 }
 
-// The products of the V rows holding a NaN or inf (zero codes in pv_int8), in fp32 on the
-// unquantised P (kept in Sᵀ where values_nonfinite), in the units unquantize_pv expects: inf and NaN reach the output as they
-// do in exact attention (also where P is 0: 0 · inf is NaN there too).
+// The products of the exact V rows (zero codes in pv_int8: rows holding a NaN or inf, and
+// outliers), in fp32 on the unquantised P (kept in Sᵀ where values_exact), of v - mean as O
+// holds them: inf and NaN reach the output as they do in exact attention (also where P is 0:
+// 0 · inf is NaN there too).
 template <DType T, DType TK>
-void AttentionTask<T, TK>::fix_nonfinite_values(const RowBlock& rb, int64_t j0, int64_t bc,
-                                                const Workspace& w) const {
+void AttentionTask<T, TK>::add_exact_values(const RowBlock& rb, int64_t j0, int64_t bc, const Workspace& w) const {
   const int64_t ld = plan_.rows_pad, dv_pad = plan_.dv_pad, head = rb.b * p_.Hkv + rb.kvh;
-  const uint8_t* bad = kq_->v_nonfinite + head * p_.Skv + j0;
-  const float *scale = kq_->v_scale + head * dv_pad, *mean = kq_->v_mean + head * dv_pad;
+  const uint8_t* exact = kq_->v_exact + head * p_.Skv + j0;
+  const float* mean = kq_->v_mean + head * dv_pad;
   const E* vbase = static_cast<const E*>(p_.v) + rb.b * p_.v_stride[0] + rb.kvh * p_.v_stride[1];
-  float* u = w.pv;  // one V row in code units (free here)
+  float* u = w.pv;  // one V row less the mean (free here)
   for (int64_t j = 0; j < bc; ++j) {
-    if (!bad[j]) continue;
+    if (!exact[j]) continue;
     load_row<T>(vbase + (j0 + j) * p_.v_stride[2], p_.v_stride[3], p_.Dv, 1.0f, u);
-    for (int64_t d = 0; d < p_.Dv; ++d) u[d] = (u[d] - mean[d]) / scale[d];
+    for (int64_t d = 0; d < p_.Dv; ++d) u[d] -= mean[d];
     for (int64_t r = 0; r < rb.rows; ++r) {
       const float pr = w.st[j * ld + r];
       for (int64_t d = 0; d < p_.Dv; ++d) w.o[r * dv_pad + d] += pr * u[d];
@@ -320,14 +333,14 @@ void AttentionTask<T, TK>::fix_nonfinite_values(const RowBlock& rb, int64_t j0, 
   }
 }
 
-// One row's P·V sums back from V's code units: o · v_scale + l · v_mean (Σ p (v - mean)
-// + Σ p · mean = Σ p v), into scratch (dv_pad floats).
+// One row's P·V sums with V's mean added back: o + l · v_mean (Σ p (v - mean) + Σ p · mean
+// = Σ p v), into scratch (dv_pad floats).
 template <DType T, DType TK>
 const float* AttentionTask<T, TK>::unquantize_pv(const RowBlock& rb, const float* o, float l, float* scratch) const {
   const int64_t dv_pad = plan_.dv_pad, head = rb.b * p_.Hkv + rb.kvh;
-  const float *scale = kq_->v_scale + head * dv_pad, *mean = kq_->v_mean + head * dv_pad;
+  const float* mean = kq_->v_mean + head * dv_pad;
   const vfloat vl = vbroadcast(l);
-  for (int64_t d = 0; d < dv_pad; d += kLanes) vstore(scratch + d, vload(o + d) * vload(scale + d) + vl * vload(mean + d));
+  for (int64_t d = 0; d < dv_pad; d += kLanes) vstore(scratch + d, vload(o + d) + vl * vload(mean + d));
   return scratch;
 }
 
@@ -369,30 +382,40 @@ bool load_finite_row(const typename Elem<T>::type* src, int64_t stride, int64_t 
 
 // Sage int8_pv_int8: one pass set over V per (batch, kv head) for the QuantizedKeys' V
 // fields: the per-channel mean over the finite rows of its first skv keys (in double),
-// then s8 codes of (v - mean) with one scale per channel (max |v - mean| / 127), as quads
-// of 4 consecutive keys; keys past skv and rows holding a NaN or inf get zero codes.
+// then s8 codes of (v - mean) with one scale per tile of kKvTile keys and channel (max
+// |v - mean| / 127 over the tile's rows), as quads of 4 consecutive keys. Keys past skv,
+// rows holding a NaN or inf, and each tile's outlier row get zero codes; the last two are
+// exact rows (add_exact_values). The outlier is the row whose |v - mean| is largest, and
+// kOutlierRatio times the next row's, in the channel where that ratio is largest (a token
+// with a massive activation): one scale per channel over all tokens let one value row 20x
+// the others coarsen every other, relative L1 0.032 against the contract's 0.02; per tile,
+// 0.025 (300 keys) to 0.015 (4096); with the outlier exact, as without it.
+constexpr double kOutlierRatio = 4.0;
 template <DType T>
 void prepare_sage_values(const AttentionParams& p, uint32_t* v_codes, float* v_scale, float* v_mean,
-                         uint8_t* v_nonfinite, uint8_t* v_tile_nonfinite, int64_t tiles, int64_t dv_pad) {
+                         uint8_t* v_exact, uint8_t* v_tile_exact, int64_t tiles, int64_t dv_pad) {
   using E = typename Elem<T>::type;
   const int64_t vquads = (p.Skv + 3) / 4;
+  static_assert(kKvTile % 4 == 0, "a quad of keys lies in one tile");
   auto body = [&](int64_t head, int) {
     const int64_t b = head / p.Hkv, kvh = head % p.Hkv, skv = p.kv_len ? p.kv_len[b] : p.Skv;
     const E* v = static_cast<const E*>(p.v) + b * p.v_stride[0] + kvh * p.v_stride[1];
     auto load = [&](int64_t j, float* row) {
       return load_finite_row<T>(v + j * p.v_stride[2], p.v_stride[3], p.Dv, dv_pad, row);
     };
-    uint8_t* bad = v_nonfinite + head * p.Skv;
-    float *mean = v_mean + head * dv_pad, *step = v_scale + head * dv_pad;
+    uint8_t* exact = v_exact + head * p.Skv;
+    float *mean = v_mean + head * dv_pad, *steps = v_scale + head * tiles * dv_pad;
     AlignedBuffer<float> rows(4 * dv_pad);  // a quad's rows, zero past Dv
-    AlignedBuffer<double> acc(dv_pad), mean_wide(dv_pad);
+    // per channel: the sum, then a tile's largest |v - mean|, the next largest and the
+    // largest's row
+    AlignedBuffer<double> acc(dv_pad), second(dv_pad), argmax(dv_pad), mean_wide(dv_pad);
     std::memset(acc.data, 0, sizeof(double) * dv_pad);
-    std::memset(bad, 0, p.Skv);
-    std::memset(v_tile_nonfinite + head * tiles, 0, tiles);
+    std::fill_n(exact, p.Skv, uint8_t{0});
+    std::fill_n(v_tile_exact + head * tiles, tiles, uint8_t{0});  // (no tile, and no buffer, for Skv 0)
     int64_t finite_rows = 0;
     for (int64_t j = 0; j < skv; ++j) {
       if (!load(j, rows.data)) {
-        bad[j] = 1, v_tile_nonfinite[head * tiles + j / kKvTile] = 1;
+        exact[j] = 1, v_tile_exact[head * tiles + j / kKvTile] = 1;
         continue;
       }
       ++finite_rows;
@@ -402,28 +425,45 @@ void prepare_sage_values(const AttentionParams& p, uint32_t* v_codes, float* v_s
       mean[d] = finite_rows && d < p.Dv ? static_cast<float>(acc.data[d] / finite_rows) : 0.0f;
       mean_wide.data[d] = mean[d];
     }
-    std::memset(acc.data, 0, sizeof(double) * dv_pad);  // now max |v - mean| per channel
-    for (int64_t j = 0; j < skv; ++j) {
-      if (bad[j]) continue;
-      load(j, rows.data);
-      for (int64_t d = 0; d < dv_pad; d += kHalf) {
-        const vdouble x = widen(rows.data + d) - vload_double(mean_wide.data + d), a = x < 0.0 ? -x : x;
-        const vdouble m = vload_double(acc.data + d);
-        vstore_double(acc.data + d, a > m ? a : m);
+    for (int64_t t = 0; t < tiles; ++t) {  // the tile's two largest |v - mean| per channel
+      std::memset(acc.data, 0, sizeof(double) * dv_pad);
+      std::memset(second.data, 0, sizeof(double) * dv_pad);
+      std::fill_n(argmax.data, dv_pad, -1.0);
+      for (int64_t j = t * kKvTile; j < std::min(skv, (t + 1) * kKvTile); ++j) {
+        if (exact[j]) continue;
+        load(j, rows.data);
+        const vdouble row = vdouble{} + static_cast<double>(j);
+        for (int64_t d = 0; d < dv_pad; d += kHalf) {
+          const vdouble x = widen(rows.data + d) - vload_double(mean_wide.data + d), a = x < 0.0 ? -x : x;
+          const vdouble m = vload_double(acc.data + d), s = vload_double(second.data + d);
+          vstore_double(second.data + d, a > m ? m : (a > s ? a : s));
+          vstore_double(argmax.data + d, a > m ? row : vload_double(argmax.data + d));
+          vstore_double(acc.data + d, a > m ? a : m);
+        }
       }
-    }
-    for (int64_t d = 0; d < dv_pad; ++d) {  // at least the smallest subnormal, so the division stays finite
-      const float s = static_cast<float>(acc.data[d] / 127.0);
-      step[d] = acc.data[d] > 0.0 ? std::fmax(s, std::numeric_limits<float>::denorm_min()) : 1.0f;
+      int64_t outlier = -1;  // the tile's outlier row, if any
+      double ratio = kOutlierRatio;
+      for (int64_t d = 0; d < p.Dv; ++d) {
+        if (second.data[d] > 0.0 && acc.data[d] >= ratio * second.data[d]) {
+          ratio = acc.data[d] / second.data[d], outlier = static_cast<int64_t>(argmax.data[d]);
+        }
+      }
+      if (outlier >= 0) exact[outlier] = 1, v_tile_exact[head * tiles + t] = 1;
+      for (int64_t d = 0; d < dv_pad; ++d) {  // at least the smallest subnormal, so the division stays finite
+        const double amax = outlier >= 0 && argmax.data[d] == static_cast<double>(outlier) ? second.data[d] : acc.data[d];
+        const float step = static_cast<float>(amax / 127.0);
+        steps[t * dv_pad + d] = amax > 0.0 ? std::fmax(step, std::numeric_limits<float>::denorm_min()) : 1.0f;
+      }
     }
     uint32_t* codes = v_codes + head * vquads * dv_pad;
     for (int64_t q = 0; q < vquads; ++q) {  // keys 4q .. 4q + 3: byte t of each word is key 4q + t
       bool live[4];
       for (int t = 0; t < 4; ++t) {
         const int64_t j = 4 * q + t;
-        live[t] = j < skv && !bad[j];
+        live[t] = j < skv && !exact[j];
         if (live[t]) load(j, rows.data + t * dv_pad);
       }
+      const float* step = steps + 4 * q / kKvTile * dv_pad;
       for (int64_t d = 0; d < dv_pad; d += kHalf) {
         const vdouble mu = vload_double(mean_wide.data + d), vstep = widen(step + d);
         vhalf_ints word{};

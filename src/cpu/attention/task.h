@@ -302,8 +302,8 @@ class AttentionTask {
   void fix_nonfinite_logits(const RowBlock& rb, int64_t j0, int64_t bc, const Workspace& w) const;
   float lse_shift(const RowBlock& rb, int64_t h, int64_t i) const;
   void pv_int8(const RowBlock& rb, int64_t j0, int64_t bc, const Workspace& w) const;
-  void fix_nonfinite_values(const RowBlock& rb, int64_t j0, int64_t bc, const Workspace& w) const;
-  bool values_nonfinite(const RowBlock& rb, int64_t j0, int64_t bc) const;
+  void add_exact_values(const RowBlock& rb, int64_t j0, int64_t bc, const Workspace& w) const;
+  bool values_exact(const RowBlock& rb, int64_t j0, int64_t bc) const;
   const float* unquantize_pv(const RowBlock& rb, const float* o, float l, float* scratch) const;
 
   const AttentionParams& p_;

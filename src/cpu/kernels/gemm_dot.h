@@ -225,11 +225,12 @@ void gemm_u8s8(int64_t m, int64_t n, int64_t k_quads, const uint32_t* a, int64_t
 }
 
 // The u8 × s8 tile of sage's int8 P·V: the int32 sums of one key tile, then in registers
-// c[i][·] = c[i][·] · alpha[i] + sums · scale[i] (the online softmax's rescale and the
-// tile's dequantisation in one pass over C). a(i, p) = a[i * lda + p * a_step].
+// c[i][j] = c[i][j] · alpha[i] + sums[i][j] · scale[i] · col_scale[j] (the online softmax's
+// rescale and the tile's dequantisation in one pass over C). a(i, p) = a[i * lda + p * a_step].
 template <int MR, int NV>
 void gemm_u8s8_rescale_tile(int64_t k, const uint32_t* a, int64_t lda, int64_t a_step, const uint32_t* b,
-                            int64_t ldb, float* c, int64_t ldc, const float* alpha, const float* scale) {
+                            int64_t ldb, float* c, int64_t ldc, const float* alpha, const float* scale,
+                            const float* col_scale) {
   // The sums pass through L1 from gemm_dot_tile (kept out of line): with the rescale in
   // the same function GCC 12 stored every accumulator to the stack on each step of the k
   // loop, and this tile took 1.4x the time.
@@ -243,7 +244,7 @@ void gemm_u8s8_rescale_tile(int64_t k, const uint32_t* a, int64_t lda, int64_t a
       vint s;
       std::memcpy(&s, sums[i] + j * 16, sizeof s);
       float* ci = c + i * ldc + j * 16;
-      vstore(ci, vload(ci) * al + __builtin_convertvector(s, vfloat) * sc);
+      vstore(ci, vload(ci) * al + __builtin_convertvector(s, vfloat) * sc * vload(col_scale + j * 16));
     }
   }
 }
@@ -253,14 +254,15 @@ struct GemmU8S8RescaleKernel {
   static constexpr auto tile = &gemm_u8s8_rescale_tile<MR, NV>;
 };
 
-// c[m][n] = c · alpha (per row) + (A · B) · scale (per row) over k_quads int8 quads (A of
-// u8, B of s8); n a multiple of 16.
+// c[m][n] = c · alpha (per row) + (A · B) · scale (per row) · col_scale (per column) over
+// k_quads int8 quads (A of u8, B of s8); n a multiple of 16.
 template <int MR, int NV>
 void gemm_u8s8_rescale(int64_t m, int64_t n, int64_t k_quads, const uint32_t* a, int64_t lda, int64_t a_step,
                        const uint32_t* b, int64_t ldb, float* c, int64_t ldc, const float* alpha,
-                       const float* scale) {
+                       const float* scale, const float* col_scale) {
   for_each_tile<GemmU8S8RescaleKernel, MR, NV>(m, n, 16, [&](auto tile, int64_t m0, int64_t n0) {
-    tile(k_quads, a + m0 * lda, lda, a_step, b + n0, ldb, c + m0 * ldc + n0, ldc, alpha + m0, scale + m0);
+    tile(k_quads, a + m0 * lda, lda, a_step, b + n0, ldb, c + m0 * ldc + n0, ldc, alpha + m0, scale + m0,
+         col_scale + n0);
   });
 }
 
