@@ -46,9 +46,10 @@ def sage_attention(q, k, v, *, causal=False, scale=None, layout="BHSD", mode="in
     - V is smoothed by subtracting its per-(batch, kv head, channel) mean over tokens (added
       back exactly after the normalisation: Σ p (v - mean) / l + mean = Σ p v / l), then
       quantised to int8 per tile of 128 keys and channel (scale max|v - mean| / 127 over
-      the tile), once per call. Each tile's outlier row (the largest |v - mean| in some
-      channel, at least 4x the next row's: a token with a massive activation) is left out of
-      the scales and its products are added exactly in fp32.
+      the tile), once per call. Each tile's outlier row (a token with a massive activation:
+      the row whose |v - mean|, over the channels where it is the tile's largest, exceeds the
+      next row's by the largest product of ratios, at least 4) is left out of the mean and
+      the scales, and its products are added exactly in fp32.
     - P (in [0, 1] after the online softmax's max subtraction) is split per row and tile of
       128 keys: its largest value (the key attention concentrates on) stays exact in fp32
       (times that key's V codes), the rest is quantised to u8 with step (second largest) /

@@ -85,16 +85,33 @@ def test_pv_int8_accuracy_per_head(rng, isa, dtype, shape, outliers):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("Skv", [300, 1100])
-def test_pv_int8_one_large_value_row(rng, isa, dtype, Skv):
+@pytest.mark.parametrize("sparse_channel", [False, True])
+def test_pv_int8_one_large_value_row(rng, isa, dtype, Skv, sparse_channel):
     """One V row 20x the others (a token with a massive activation): V's scales are per tile
-    of 128 keys and channel, so it coarsens its own tile only (per channel over all tokens,
-    the worst head's relative L1 was 0.032)."""
+    of 128 keys and channel, and the tile's outlier row is exact (per channel over all tokens,
+    the worst head's relative L1 was 0.032). With a channel that is zero but for one row per
+    tile (an outlier in that channel alone), the 20x row still is the one taken out."""
     q, k, v = make_qkv(rng, 1, 4, 2, 64, Skv, 64, 64, dtype)
     v = v.astype(np.float64)
-    v[0, :, rng.integers(Skv)] *= 20.0
+    large = rng.integers(Skv)
+    v[0, :, large] *= 20.0
+    if sparse_channel:
+        v[..., 0] = 0.0
+        v[0, :, [t + 5 if t + 5 != large else t + 6 for t in range(0, Skv, 128)], 0] = 0.5
     v = v.astype(k.dtype)
     out, _ = sage(q, k, v, "int8_pv_int8")
     ref, _ = attention_ref(q, k, v, enable_gqa=True)
+    assert_contract(out, ref)
+
+
+def test_pv_int8_massive_value_row_spares_other_tiles(rng, isa):
+    """A value row 10^4x the others: V's mean leaves it out, so the tiles of keys before it
+    (all that causal rows below 1024 see) keep their steps."""
+    q, k, v = make_qkv(rng, 1, 4, 2, 1100, 1100, 64, 64, "float32")
+    v[0, :, 1099] *= 1e4
+    out, _ = sage(q, k, v, "int8_pv_int8", causal=True)
+    ref, _ = attention_ref(q, k, v, causal=True, enable_gqa=True)
+    assert_contract(out[:, :, :1024], ref[:, :, :1024], l1_max=0.015)
     assert_contract(out, ref)
 
 

@@ -380,16 +380,17 @@ bool load_finite_row(const typename Elem<T>::type* src, int64_t stride, int64_t 
   return finite;
 }
 
-// Sage int8_pv_int8: one pass set over V per (batch, kv head) for the QuantizedKeys' V
-// fields: the per-channel mean over the finite rows of its first skv keys (in double),
-// then s8 codes of (v - mean) with one scale per tile of kKvTile keys and channel (max
-// |v - mean| / 127 over the tile's rows), as quads of 4 consecutive keys. Keys past skv,
+// Sage int8_pv_int8: passes over V per (batch, kv head) for the QuantizedKeys' V fields:
+// s8 codes of (v - mean) with one scale per tile of kKvTile keys and channel (max |v - mean|
+// / 127 over the tile's rows), as quads of 4 consecutive keys, the mean per channel over
+// the finite rows of its first skv keys that are not outliers (in double). Keys past skv,
 // rows holding a NaN or inf, and each tile's outlier row get zero codes; the last two are
-// exact rows (add_exact_values). The outlier is the row whose |v - mean| is largest, and
-// kOutlierRatio times the next row's, in the channel where that ratio is largest (a token
-// with a massive activation): one scale per channel over all tokens let one value row 20x
-// the others coarsen every other, relative L1 0.032 against the contract's 0.02; per tile,
-// 0.025 (300 keys) to 0.015 (4096); with the outlier exact, as without it.
+// exact rows (add_exact_values). A tile's outlier (a token with a massive activation) is the
+// row whose product, over the channels where its |v - mean| is the tile's largest, of how
+// many times it exceeds the next row's is largest, and at least kOutlierRatio. One scale per
+// channel over all tokens let one value row 20x the others coarsen every other: relative L1
+// 0.032 against the contract's 0.02; per tile 0.025 (300 keys) to 0.015 (4096); with the
+// outlier exact 0.011-0.012, as without it.
 constexpr double kOutlierRatio = 4.0;
 template <DType T>
 void prepare_sage_values(const AttentionParams& p, uint32_t* v_codes, float* v_scale, float* v_mean,
@@ -406,27 +407,24 @@ void prepare_sage_values(const AttentionParams& p, uint32_t* v_codes, float* v_s
     uint8_t* exact = v_exact + head * p.Skv;
     float *mean = v_mean + head * dv_pad, *steps = v_scale + head * tiles * dv_pad;
     AlignedBuffer<float> rows(4 * dv_pad);  // a quad's rows, zero past Dv
-    // per channel: the sum, then a tile's largest |v - mean|, the next largest and the
-    // largest's row
-    AlignedBuffer<double> acc(dv_pad), second(dv_pad), argmax(dv_pad), mean_wide(dv_pad);
-    std::memset(acc.data, 0, sizeof(double) * dv_pad);
+    // Per channel: the rows' sum; a tile's largest |v - mean|, the next largest and the
+    // largest's row.
+    AlignedBuffer<double> sum(dv_pad), largest(dv_pad), second(dv_pad), argmax(dv_pad), mean_wide(dv_pad);
+    std::memset(sum.data, 0, sizeof(double) * dv_pad);
     std::fill_n(exact, p.Skv, uint8_t{0});
     std::fill_n(v_tile_exact + head * tiles, tiles, uint8_t{0});  // (no tile, and no buffer, for Skv 0)
-    int64_t finite_rows = 0;
-    for (int64_t j = 0; j < skv; ++j) {
-      if (!load(j, rows.data)) {
-        exact[j] = 1, v_tile_exact[head * tiles + j / kKvTile] = 1;
-        continue;
+    int64_t summed_rows = 0;
+    auto add_row = [&](const float* row, double sign) {
+      for (int64_t d = 0; d < dv_pad; d += kHalf) vstore_double(sum.data + d, vload_double(sum.data + d) + sign * widen(row + d));
+    };
+    auto take_mean = [&] {
+      for (int64_t d = 0; d < dv_pad; ++d) {
+        mean[d] = summed_rows && d < p.Dv ? static_cast<float>(sum.data[d] / summed_rows) : 0.0f;
+        mean_wide.data[d] = mean[d];
       }
-      ++finite_rows;
-      for (int64_t d = 0; d < dv_pad; d += kHalf) vstore_double(acc.data + d, vload_double(acc.data + d) + widen(rows.data + d));
-    }
-    for (int64_t d = 0; d < dv_pad; ++d) {
-      mean[d] = finite_rows && d < p.Dv ? static_cast<float>(acc.data[d] / finite_rows) : 0.0f;
-      mean_wide.data[d] = mean[d];
-    }
-    for (int64_t t = 0; t < tiles; ++t) {  // the tile's two largest |v - mean| per channel
-      std::memset(acc.data, 0, sizeof(double) * dv_pad);
+    };
+    auto tile_extremes = [&](int64_t t) {  // over the tile's rows that are not exact
+      std::memset(largest.data, 0, sizeof(double) * dv_pad);
       std::memset(second.data, 0, sizeof(double) * dv_pad);
       std::fill_n(argmax.data, dv_pad, -1.0);
       for (int64_t j = t * kKvTile; j < std::min(skv, (t + 1) * kKvTile); ++j) {
@@ -435,25 +433,54 @@ void prepare_sage_values(const AttentionParams& p, uint32_t* v_codes, float* v_s
         const vdouble row = vdouble{} + static_cast<double>(j);
         for (int64_t d = 0; d < dv_pad; d += kHalf) {
           const vdouble x = widen(rows.data + d) - vload_double(mean_wide.data + d), a = x < 0.0 ? -x : x;
-          const vdouble m = vload_double(acc.data + d), s = vload_double(second.data + d);
+          const vdouble m = vload_double(largest.data + d), s = vload_double(second.data + d);
           vstore_double(second.data + d, a > m ? m : (a > s ? a : s));
           vstore_double(argmax.data + d, a > m ? row : vload_double(argmax.data + d));
-          vstore_double(acc.data + d, a > m ? a : m);
+          vstore_double(largest.data + d, a > m ? a : m);
         }
       }
-      int64_t outlier = -1;  // the tile's outlier row, if any
-      double ratio = kOutlierRatio;
+    };
+    auto tile_outlier = [&](int64_t t) -> int64_t {  // -1: none
+      double gain[kKvTile] = {};  // log of each row's product of ratios
       for (int64_t d = 0; d < p.Dv; ++d) {
-        if (second.data[d] > 0.0 && acc.data[d] >= ratio * second.data[d]) {
-          ratio = acc.data[d] / second.data[d], outlier = static_cast<int64_t>(argmax.data[d]);
+        if (second.data[d] > 0.0 && largest.data[d] > second.data[d]) {
+          gain[static_cast<int64_t>(argmax.data[d]) - t * kKvTile] += std::log(largest.data[d] / second.data[d]);
         }
       }
-      if (outlier >= 0) exact[outlier] = 1, v_tile_exact[head * tiles + t] = 1;
-      for (int64_t d = 0; d < dv_pad; ++d) {  // at least the smallest subnormal, so the division stays finite
-        const double amax = outlier >= 0 && argmax.data[d] == static_cast<double>(outlier) ? second.data[d] : acc.data[d];
+      const int64_t best = std::max_element(gain, gain + kKvTile) - gain;  // the first of equals
+      return gain[best] >= std::log(kOutlierRatio) ? t * kKvTile + best : -1;
+    };
+    auto set_steps = [&](int64_t t, int64_t outlier) {  // at least the smallest subnormal: the division stays finite
+      for (int64_t d = 0; d < dv_pad; ++d) {
+        const double amax = outlier >= 0 && argmax.data[d] == static_cast<double>(outlier) ? second.data[d] : largest.data[d];
         const float step = static_cast<float>(amax / 127.0);
         steps[t * dv_pad + d] = amax > 0.0 ? std::fmax(step, std::numeric_limits<float>::denorm_min()) : 1.0f;
       }
+    };
+    for (int64_t j = 0; j < skv; ++j) {
+      if (!load(j, rows.data)) {
+        exact[j] = 1, v_tile_exact[head * tiles + j / kKvTile] = 1;
+        continue;
+      }
+      ++summed_rows;
+      add_row(rows.data, 1.0);
+    }
+    take_mean();
+    bool outliers = false;
+    for (int64_t t = 0; t < tiles; ++t) {
+      tile_extremes(t);
+      const int64_t outlier = tile_outlier(t);
+      if (outlier >= 0) {
+        exact[outlier] = 1, v_tile_exact[head * tiles + t] = 1, outliers = true;
+        load(outlier, rows.data);
+        --summed_rows;
+        add_row(rows.data, -1.0);
+      }
+      set_steps(t, outlier);
+    }
+    if (outliers) {  // the mean without them (a massive row's share of it widened every tile's steps), and the steps again
+      take_mean();
+      for (int64_t t = 0; t < tiles; ++t) tile_extremes(t), set_steps(t, -1);
     }
     uint32_t* codes = v_codes + head * vquads * dv_pad;
     for (int64_t q = 0; q < vquads; ++q) {  // keys 4q .. 4q + 3: byte t of each word is key 4q + t
