@@ -63,8 +63,8 @@ std::string describe(const CpuId& id) {
   return id.vendor + " family " + std::to_string(id.family) + " model " + std::to_string(id.model);
 }
 
-// The bf16 rule: Intel's family-6 cores with AVX512_BF16 (Cooper Lake, Sapphire, Emerald and
-// Granite Rapids) run vdpbf16ps at about half their fp32 FMA rate (measured on Emerald
+// The bf16 rule: Intel's family-6 cores with AVX512_BF16 (Sapphire, Emerald and Granite
+// Rapids; Cooper Lake too, but without VBMI it runs avx512) run vdpbf16ps at about half their fp32 FMA rate (measured on Emerald
 // Rapids: 88 vs 180 GFLOP/s per core), so bf16 inputs are faster converted to fp32 for FMAs
 // there; AMD Zen 4 and Zen 5 run it at 1.75-1.84x the fp32 rate. Decided by cpuid alone, so
 // the choice is the same on every run; the benchmark measures both peaks and says when a
