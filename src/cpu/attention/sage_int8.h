@@ -286,7 +286,6 @@ void AttentionTask<T, TK>::pv_int8(const RowBlock& rb, int64_t j0, int64_t bc, c
     }
   }
   gemm<kTallRows, kTallVecs>(rb.rows, dv_pad, bc, p_floats, 1, ld, w.v, dv_pad, w.pv, dv_pad, false);
-  static_assert(kKvTile % kLanes == 0 && kLanes <= kKvTile, "");
   const float* vs = v_scale(0);  // (key tiles are one tile of V's scales off AMX)
   for (int64_t r = 0; r < rb.rows; ++r) {
     const vfloat alpha = vbroadcast(w.alpha[r]), scale = vbroadcast(w.p_scale[r]), top = vbroadcast(w.p_top[r]);
